@@ -1,0 +1,1 @@
+"""The Kaizen gateway: OpenAI-compatible HTTP surface, capture, engines and the `kaizen` CLI."""

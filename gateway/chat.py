@@ -1,0 +1,260 @@
+"""The chat-completions service: validate, route, call the engine, normalise, capture.
+
+This is the hot path. It does no I/O besides the engine call: capture is a queue append, model resolution and
+episode stitching are in-memory lookups.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gateway.capture import CaptureSink
+from gateway.engines.base import Engine
+from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
+from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
+from gateway.normalize import Captured, StreamAssembler, normalize_completion
+from gateway.protocol import ChatCompletionRequest
+from gateway.routing import ModelRouter, Route
+from storage.calls import recent_stitch_keys
+from storage.database import Database
+from storage.records import CallRecord
+
+log = logging.getLogger(__name__)
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
+_PATH = re.compile(r"at `\$\.?(.*)`$")
+_DONE = b"data: [DONE]\n\n"
+# Request fields stored under their own keys; everything else is kept under `params`.
+_STORED_PARAMS = ("messages", "tools", "tool_choice")
+
+
+@dataclass
+class CallContext:
+    """Everything known about a call before the engine answers."""
+
+    call_id: str
+    request: ChatCompletionRequest
+    body: dict[str, Any]
+    route: Route
+    episode_id: str
+    episode_resolved: bool
+    hashes: ConversationHashes
+    capture: bool
+    started: float
+
+
+def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
+    message = str(exc)
+    match = _PATH.search(message)
+    return InvalidRequest(message, param=match.group(1) if match else None, code="invalid_value")
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        router: ModelRouter,
+        sink: CaptureSink,
+        *,
+        max_body_bytes: int,
+        max_n: int,
+        stitch_cache_size: int,
+    ) -> None:
+        self.engine = engine
+        self.router = router
+        self.sink = sink
+        self.max_body_bytes = max_body_bytes
+        self.max_n = max_n
+        self.stitch = StitchCache(stitch_cache_size)
+
+    async def warm(self, database: Database) -> None:
+        """Load recent conversation tails so stitching survives a restart without a database lookup per call."""
+        if self.stitch.size == 0:
+            return
+        try:
+            async with database.session() as session:
+                keys = await recent_stitch_keys(session, self.stitch.size)
+        except Exception as exc:  # the gateway serves without a warm cache; the writer still stitches
+            log.warning("could not warm the stitch cache: %s", exc)
+            return
+        for key, episode_id in keys:
+            self.stitch.remember([key], episode_id)
+        log.info("stitch cache warmed with %d conversation tails", len(keys))
+
+    # ------------------------------------------------------------------ validation
+    def prepare(self, raw_body: bytes, headers: Mapping[str, str]) -> CallContext:
+        """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
+        started = time.perf_counter()
+        if len(raw_body) > self.max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body is {len(raw_body)} bytes; the limit is {self.max_body_bytes}",
+                code="body_too_large",
+            )
+        try:
+            body = _decode(raw_body)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        try:
+            request = msgspec.convert(body, ChatCompletionRequest)
+        except msgspec.ValidationError as exc:
+            raise _validation_error(exc) from exc
+        self._check(request)
+        route = self.router.resolve(request.model)
+        messages = body["messages"]
+        hashes = ConversationHashes.of(messages)
+        episode = assign_episode(headers.get("x-episode-id"), request.metadata, hashes, self.stitch)
+        supplied = headers.get("x-request-id")
+        return CallContext(
+            call_id=supplied if supplied and valid_id(supplied) else new_id(),
+            request=request,
+            body=body,
+            route=route,
+            episode_id=episode.episode_id,
+            episode_resolved=episode.resolved,
+            hashes=hashes,
+            capture=headers.get("x-kaizen-no-log", "").lower() not in ("true", "1", "yes"),
+            started=started,
+        )
+
+    def _check(self, request: ChatCompletionRequest) -> None:
+        if request.n is not None and request.n > self.max_n:
+            raise InvalidRequest(f"n={request.n} is above this gateway's limit of {self.max_n}", param="n")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if request.stream_options is not None and not request.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if request.tool_choice not in (None, "none", "auto") and not request.tools:
+            raise InvalidRequest("tool_choice requires tools", param="tool_choice")
+        if request.tools and len({t.function.name for t in request.tools}) != len(request.tools):
+            raise InvalidRequest("tool function names must be unique", param="tools")
+
+    # ------------------------------------------------------------------ engine call
+    def _engine_body(self, ctx: CallContext) -> dict[str, Any]:
+        body = dict(ctx.body)
+        body["model"] = ctx.route.engine_model
+        caps = self.engine.capabilities
+        if caps.logprobs and not ctx.request.logprobs:
+            body["logprobs"] = True
+        if caps.token_ids:
+            body["return_token_ids"] = True
+        if ctx.request.stream:
+            body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
+        return body
+
+    async def complete(self, ctx: CallContext) -> bytes:
+        """Non-streamed call: the encoded conformant response."""
+        try:
+            raw = await self.engine.chat(self._engine_body(ctx))
+            completion, captured = normalize_completion(
+                raw,
+                response_id=f"chatcmpl-{ctx.call_id}",
+                model=ctx.request.model,
+                keep_logprobs=bool(ctx.request.logprobs),
+            )
+        except APIError as exc:
+            self._record(ctx, None, status="error", error=exc, ttft=None)
+            raise
+        self._record(ctx, captured, status="ok", error=None, ttft=None)
+        return _encode(completion)
+
+    async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
+        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
+        try:
+            engine_stream = await self.engine.open_stream(self._engine_body(ctx))
+        except APIError as exc:
+            self._record(ctx, None, status="error", error=exc, ttft=None)
+            raise
+        include_usage = bool(ctx.request.stream_options and ctx.request.stream_options.include_usage)
+        assembler = StreamAssembler(
+            response_id=f"chatcmpl-{ctx.call_id}",
+            model=ctx.request.model,
+            keep_logprobs=bool(ctx.request.logprobs),
+            keep_usage=include_usage,
+        )
+
+        async def relay() -> AsyncIterator[bytes]:
+            status, error, ttft = "client_disconnected", None, None
+            try:
+                async for raw in engine_stream:
+                    chunk = assembler.feed(raw)
+                    if chunk is None:
+                        continue
+                    if ttft is None and assembler.first_content_seen:
+                        ttft = time.perf_counter() - ctx.started
+                    yield b"data: " + _encode(chunk) + b"\n\n"
+                status = "ok"
+            except APIError as exc:
+                status, error = "error", exc
+            finally:
+                # Runs on a client disconnect too (the relay is closed at its `yield`): the partial reply counts.
+                await engine_stream.close()
+                self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
+            yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
+
+        return relay()
+
+    # ------------------------------------------------------------------ capture
+    def _record(
+        self,
+        ctx: CallContext,
+        captured: Captured | None,
+        *,
+        status: str,
+        error: APIError | None,
+        ttft: float | None,
+    ) -> None:
+        stitch_keys: list[str] = []
+        if captured is not None:
+            stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
+            self.stitch.remember(stitch_keys, ctx.episode_id)
+        if not ctx.capture:
+            self.sink.opt_out()
+            return
+        request = ctx.request
+        params = {k: v for k, v in ctx.body.items() if k not in _STORED_PARAMS}
+        self.sink.submit(
+            CallRecord(
+                id=ctx.call_id,
+                episode_id=ctx.episode_id,
+                episode_resolved=ctx.episode_resolved,
+                stitch_lookup=ctx.hashes.lookup,
+                stitch_keys=stitch_keys,
+                policy=ctx.route.policy,
+                model=request.model,
+                adapter_version=ctx.route.adapter_version,
+                engine_model=ctx.route.engine_model,
+                stream=bool(request.stream),
+                request={
+                    "messages": ctx.body["messages"],
+                    "tools": ctx.body.get("tools"),
+                    "tool_choice": ctx.body.get("tool_choice"),
+                    "params": params,
+                },
+                response=captured.response if captured else None,
+                prompt_token_ids=captured.prompt_token_ids if captured else None,
+                completion_token_ids=captured.completion_token_ids if captured else None,
+                completion_logprobs=captured.completion_logprobs if captured else None,
+                usage=captured.usage if captured else None,
+                latency_ms=(time.perf_counter() - ctx.started) * 1000,
+                ttft_ms=ttft * 1000 if ttft is not None else None,
+                status=status,
+                error={"status": error.status_code, "message": error.message, "code": error.code}
+                if error
+                else None,
+                context_hash=ctx.hashes.context_hash,
+                group_key=(request.metadata or {}).get("group_key"),
+                user=request.user,
+                episode_metadata=dict(request.metadata or {}),
+                created_at=time.time(),
+            )
+        )

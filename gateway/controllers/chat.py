@@ -1,0 +1,27 @@
+"""`POST /v1/chat/completions`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, Response, post
+from litestar.di import NamedDependency
+from litestar.response import Stream
+
+from gateway.chat import ChatService
+
+
+class ChatController(Controller):
+    path = "/chat/completions"
+
+    @post("", status_code=200)
+    async def create(
+        self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]
+    ) -> Response[bytes] | Stream:
+        ctx = chat.prepare(await request.body(), request.headers)
+        headers = {"x-request-id": ctx.call_id, "x-episode-id": ctx.episode_id}
+        if ctx.request.stream:
+            relay = await chat.stream(ctx)
+            headers["cache-control"] = "no-cache"
+            return Stream(relay, media_type="text/event-stream", headers=headers)
+        return Response(await chat.complete(ctx), media_type="application/json", headers=headers)

@@ -1,0 +1,60 @@
+"""The engine interface the gateway talks to: chat, streaming, model listing, adapters and health."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can return besides text; the gateway asks for whatever is available on every call."""
+
+    logprobs: bool
+    token_ids: bool
+    adapters: bool
+
+
+class EngineStream(ABC):
+    """An open streamed answer: iterate decoded chunks; `close` frees the engine's slot (client went away)."""
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class Engine(ABC):
+    name: str
+    capabilities: EngineCapabilities
+
+    async def start(self) -> None:
+        """Acquire resources (connection pools, a supervised server process)."""
+
+    async def close(self) -> None:
+        """Release what `start` acquired."""
+
+    @abstractmethod
+    async def chat(self, body: dict[str, Any]) -> Any:
+        """One non-streamed chat completion; returns the decoded JSON body."""
+
+    @abstractmethod
+    async def open_stream(self, body: dict[str, Any]) -> EngineStream:
+        """Start a streamed completion. Errors before the first chunk raise, so they become proper HTTP errors."""
+
+    @abstractmethod
+    async def list_models(self) -> list[str]:
+        """Model names the engine serves."""
+
+    @abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers; never raises."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise NotImplementedError(f"the {self.name} engine does not serve LoRA adapters")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise NotImplementedError(f"the {self.name} engine does not serve LoRA adapters")

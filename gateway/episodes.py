@@ -1,0 +1,145 @@
+"""Episode assignment: explicit ids, and prefix stitching of multi-turn conversations.
+
+A conversation is hashed message by message in a chain (h_i = H(h_{i-1} || m_i)), so every prefix has a hash
+in one pass. A call registers the hash of `messages + reply` for each of its choices; a later call whose
+messages extend one of those is the same episode. Recent tails live in an in-memory LRU so the request path
+never waits on the database; a miss is resolved by the capture writer against the `stitch_keys` table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gateway.errors import InvalidRequest
+
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
+_encode = msgspec.json.encode
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def valid_id(value: str) -> bool:
+    return bool(_ID_PATTERN.match(value))
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p.get("text", "") if isinstance(p, dict) and "text" in p else _encode(p).decode() for p in content
+        )
+    return str(content)
+
+
+def _canonical(message: Mapping[str, Any]) -> bytes:
+    """The parts of a message that identify it when a client sends it back (ids and nulls vary by SDK)."""
+    calls = message.get("tool_calls") or []
+    return _encode(
+        [
+            message.get("role"),
+            _text(message.get("content")),
+            [
+                [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")]
+                for c in calls
+                if isinstance(c, dict)
+            ],
+            message.get("tool_call_id"),
+        ]
+    )
+
+
+def _chain(previous: bytes, message: Mapping[str, Any]) -> bytes:
+    return hashlib.blake2b(previous + _canonical(message), digest_size=16).digest()
+
+
+@dataclass
+class ConversationHashes:
+    """Prefix hashes of a request's messages, computed once per call."""
+
+    prefixes: list[bytes]  # prefixes[i] is the hash of messages[:i+1]
+    context_hash: str  # up to (excluding) the first assistant turn: what `prompt` grouping compares
+    lookup: list[str] = field(default_factory=list)  # candidate earlier tails, longest first
+
+    @classmethod
+    def of(cls, messages: Sequence[Mapping[str, Any]]) -> ConversationHashes:
+        prefixes: list[bytes] = []
+        previous = b""
+        context: bytes | None = None
+        for message in messages:
+            if context is None and message.get("role") == "assistant":
+                context = previous
+            previous = _chain(previous, message)
+            prefixes.append(previous)
+        lookup = [
+            prefixes[i].hex()
+            for i in range(len(messages) - 1, -1, -1)
+            if messages[i].get("role") == "assistant"
+        ]
+        return cls(prefixes, (context if context is not None else previous).hex(), lookup)
+
+    def continuation(self, reply: Mapping[str, Any]) -> str:
+        """The key a follow-up call will look for: hash of these messages plus `reply`."""
+        return _chain(self.prefixes[-1] if self.prefixes else b"", reply).hex()
+
+
+class StitchCache:
+    """Bounded LRU from conversation-tail hash to episode id."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, str] = OrderedDict()
+
+    def find(self, keys: Sequence[str]) -> str | None:
+        for key in keys:
+            episode = self._items.get(key)
+            if episode is not None:
+                self._items.move_to_end(key)
+                return episode
+        return None
+
+    def remember(self, keys: Sequence[str], episode_id: str) -> None:
+        if self.size == 0:
+            return
+        for key in keys:
+            self._items[key] = episode_id
+            self._items.move_to_end(key)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+@dataclass
+class EpisodeAssignment:
+    episode_id: str
+    resolved: bool  # final now (explicit or cache hit); otherwise the writer may re-link it
+
+
+def assign_episode(
+    header_id: str | None, metadata: Mapping[str, str] | None, hashes: ConversationHashes, cache: StitchCache
+) -> EpisodeAssignment:
+    explicit = header_id or (metadata or {}).get("episode_id")
+    if explicit is not None:
+        if not valid_id(explicit):
+            param = None if header_id else "metadata.episode_id"
+            raise InvalidRequest(
+                "episode id must be 1-64 characters of letters, digits, '_', '.', ':' or '-'",
+                param=param,
+                code="invalid_episode_id",
+            )
+        return EpisodeAssignment(explicit, True)
+    found = cache.find(hashes.lookup)
+    if found is not None:
+        return EpisodeAssignment(found, True)
+    return EpisodeAssignment(new_id(), not hashes.lookup)

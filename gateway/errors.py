@@ -1,0 +1,84 @@
+"""Errors the gateway answers with, always in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from litestar import Response
+
+from gateway.protocol import ErrorBody, ErrorResponse
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI-shaped body. Raise it anywhere; the app renders it."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status_code: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        if status_code is not None:
+            self.status_code = status_code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.code))
+
+    def to_response(self) -> Response[ErrorResponse]:
+        headers = (
+            {"retry-after": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
+        )
+        return Response(self.body(), status_code=self.status_code, headers=headers)
+
+
+class InvalidRequest(APIError):
+    status_code = 400
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFound(APIError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(APIError):
+    status_code = 413
+
+
+class EngineError(APIError):
+    """The engine failed; the client gets a 5xx with the OpenAI shape, never a traceback."""
+
+    status_code = 502
+    error_type = "api_error"
+
+
+class EngineBadResponse(EngineError):
+    def __init__(self, message: str) -> None:
+        super().__init__(f"bad response from the engine: {message}", code="bad_engine_response")
+
+
+class EngineTimeout(EngineError):
+    status_code = 504
+
+    def __init__(self, message: str = "the engine did not answer in time") -> None:
+        super().__init__(message, code="engine_timeout")
+
+
+class EngineUnavailable(EngineError):
+    status_code = 503
+
+    def __init__(self, message: str = "the engine is not available", retry_after: float = 5.0) -> None:
+        super().__init__(message, code="engine_unavailable", retry_after=retry_after)

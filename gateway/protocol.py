@@ -1,0 +1,274 @@
+"""Typed models of the OpenAI chat-completions protocol, mirroring the spec, used everywhere in the gateway.
+
+Requests are validated with these models (msgspec: fast, with precise error paths); responses and stream
+chunks are *rebuilt* from these models so whatever an engine returns, the client gets spec-conformant output
+(no `null` where the spec forbids it, `refusal` present in logprobs, string error codes).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# ----------------------------------------------------------------------------- request
+
+
+class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    text: str
+
+
+class ImagePart(Struct, tag_field="type", tag="image_url"):
+    image_url: dict[str, Any]
+
+
+class AudioPart(Struct, tag_field="type", tag="input_audio"):
+    input_audio: dict[str, Any]
+
+
+class FilePart(Struct, tag_field="type", tag="file"):
+    file: dict[str, Any]
+
+
+class RefusalPart(Struct, tag_field="type", tag="refusal"):
+    refusal: str
+
+
+UserContent = str | list[TextPart | ImagePart | AudioPart | FilePart]
+TextContent = str | list[TextPart]
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class SystemMessage(Struct, tag_field="role", tag="system"):
+    content: TextContent
+    name: str | None = None
+
+
+class DeveloperMessage(Struct, tag_field="role", tag="developer"):
+    content: TextContent
+    name: str | None = None
+
+
+class UserMessage(Struct, tag_field="role", tag="user"):
+    content: UserContent
+    name: str | None = None
+
+
+class AssistantMessage(Struct, tag_field="role", tag="assistant"):
+    content: str | list[TextPart | RefusalPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: str | None = None
+    name: str | None = None
+    function_call: FunctionCall | None = None
+
+
+class ToolMessage(Struct, tag_field="role", tag="tool"):
+    content: TextContent
+    tool_call_id: str
+
+
+class FunctionMessage(Struct, tag_field="role", tag="function"):
+    content: str | None
+    name: str
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage
+
+
+class FunctionDefinition(Struct):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
+
+
+class ResponseFormat(Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class ChatCompletionRequest(Struct, kw_only=True):
+    """`CreateChatCompletionRequest`: the fields Kaizen understands. Unknown fields are ignored here and
+    forwarded to the engine untouched (the gateway keeps the raw body for that)."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    n: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    seed: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+
+
+# ----------------------------------------------------------------------------- response
+# Optional-but-not-nullable spec fields default to UNSET, which msgspec leaves out of the JSON entirely.
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
+class ResponseFunction(Struct):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(Struct):
+    id: str
+    function: ResponseFunction
+    type: Literal["function"] = "function"
+
+
+class ResponseMessage(Struct):
+    content: str | None
+    refusal: str | None
+    role: Literal["assistant"] = "assistant"
+    tool_calls: list[ResponseToolCall] | UnsetType = UNSET
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
+class Choice(Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: FinishReason
+    logprobs: ChoiceLogprobs | None
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | UnsetType = UNSET
+    completion_tokens_details: dict[str, int] | UnsetType = UNSET
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: Usage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType = UNSET
+
+
+class ToolCallChunkFunction(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallChunk(Struct):
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: ToolCallChunkFunction | UnsetType = UNSET
+
+
+class Delta(Struct):
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType | None = UNSET
+    refusal: str | UnsetType | None = UNSET
+    tool_calls: list[ToolCallChunk] | UnsetType = UNSET
+
+
+class ChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: FinishReason | None
+    logprobs: ChoiceLogprobs | UnsetType | None = UNSET
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | UnsetType | None = UNSET
+    system_fingerprint: str | UnsetType = UNSET
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody

@@ -1,0 +1,156 @@
+"""SQLAlchemy 2 declarative models: the schema of everything Kaizen stores.
+
+SQL is the source of truth. Columns that hold conversations are JSON so that SQLite and PostgreSQL share one
+schema; ids are text so that a client-supplied request id can be the primary key.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}  # noqa: RUF012
+
+
+class Policy(Base):
+    """A trainable model: a base model plus a lineage of LoRA adapter versions."""
+
+    __tablename__ = "policies"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    active_version: Mapped[int | None] = mapped_column(Integer)
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Adapter(Base):
+    """One LoRA version of a policy (`policy@N`)."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("policy_id", "version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # candidate | active | retired | rejected
+    path: Mapped[str] = mapped_column(Text)
+    parent_version: Mapped[int | None] = mapped_column(Integer)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Episode(Base):
+    """A trajectory: the calls of one conversation or agent run, in order."""
+
+    __tablename__ = "episodes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    policy: Mapped[str | None] = mapped_column(String(128), index=True)
+    group_key: Mapped[str | None] = mapped_column(String(256), index=True)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    reward: Mapped[float | None] = mapped_column(Float)
+    reward_provenance: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Call(Base):
+    """One chat completion as the client saw it, plus what training needs (token ids, behaviour logprobs)."""
+
+    __tablename__ = "calls"
+    __table_args__ = (Index("ix_calls_episode_position", "episode_id", "position"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str | None] = mapped_column(String(128), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    engine_model: Mapped[str | None] = mapped_column(String(256))
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    request: Mapped[dict[str, Any]] = mapped_column()
+    response: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_token_ids: Mapped[list[Any] | None] = mapped_column(JSON)
+    completion_token_ids: Mapped[list[Any] | None] = mapped_column(JSON)
+    completion_logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(32), index=True)  # ok | error | client_disconnected
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    context_hash: Mapped[str | None] = mapped_column(String(32), index=True)
+    group_key: Mapped[str | None] = mapped_column(String(256), index=True)
+    user: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class StitchKey(Base):
+    """Index for prefix stitching: the hash of `messages + reply` of a call points at its episode."""
+
+    __tablename__ = "stitch_keys"
+
+    hash: Mapped[str] = mapped_column(String(32), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Reward(Base):
+    """One reward signal for a call or an episode. No foreign key: feedback may arrive before the call row."""
+
+    __tablename__ = "rewards"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    call_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    episode_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    source: Mapped[str] = mapped_column(String(16))  # feedback | judge | rule | api
+    name: Mapped[str] = mapped_column(String(128), default="user")
+    value: Mapped[float] = mapped_column(Float)
+    label: Mapped[str | None] = mapped_column(String(128))
+    comment: Mapped[str | None] = mapped_column(Text)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class TrainingRun(Base):
+    """One training (or judging) job of a policy, with its outcome and metrics."""
+
+    __tablename__ = "training_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16), default="train")
+    status: Mapped[str] = mapped_column(String(16))  # running | succeeded | failed | rejected
+    from_version: Mapped[int | None] = mapped_column(Integer)
+    to_version: Mapped[int | None] = mapped_column(Integer)
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    error: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,43 @@
+"""Apply Alembic migrations programmatically (`kaizen db upgrade`, and `kaizen serve` at start)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.ext.asyncio import create_async_engine
+
+import migrations
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("sqlalchemy.url", url)
+    return config
+
+
+async def upgrade_database(url: str, revision: str = "head") -> None:
+    """Bring the database at `url` (an async SQLAlchemy URL) to `revision`."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as connection:
+
+            def _upgrade(sync_connection: object) -> None:
+                config = alembic_config(url)
+                config.attributes["connection"] = sync_connection
+                command.upgrade(config, revision)
+
+            await connection.run_sync(_upgrade)
+    finally:
+        await engine.dispose()
+
+
+def upgrade_database_sync(url: str, revision: str = "head") -> None:
+    asyncio.run(upgrade_database(url, revision))

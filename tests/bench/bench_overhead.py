@@ -1,0 +1,395 @@
+"""Latency and throughput the gateway adds on top of its upstream.
+
+Starts the scripted upstream and the gateway (``python -m gateway serve`` in upstream mode) as
+subprocesses on loopback, then sends the same small chat request straight to the upstream and
+through the gateway in alternating batches, so drift (thermal, other load) hits both sides alike.
+Latency is per call to the last byte (streams included); "added" is gateway minus direct at the
+same percentile. ``--self-test`` puts a second scripted upstream where the gateway would be, which
+checks the harness itself: the added latency should be about zero.
+
+    python -m tests.bench.bench_overhead [--self-test] [--out tests/bench/results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+logger = logging.getLogger("bench_overhead")
+
+STARTUP_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 30.0
+DEFAULT_OUT = Path(__file__).parent / "results" / "overhead.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One side of the comparison: where chat requests go and how to tell it is up."""
+
+    name: str
+    chat_url: str
+    health_url: str
+
+
+@dataclass
+class Samples:
+    """Everything measured for one target in one scenario, pooled over its batches."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    busy_s: float = 0.0
+    batch_rates: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.latencies_s)
+        ok = len(ordered)
+        return {
+            "requests": ok + self.errors,
+            "errors": self.errors,
+            "p50_ms": percentile(ordered, 50) * 1000,
+            "p90_ms": percentile(ordered, 90) * 1000,
+            "p99_ms": percentile(ordered, 99) * 1000,
+            "mean_ms": (sum(ordered) / ok * 1000) if ok else math.nan,
+            "req_per_s": ok / self.busy_s if self.busy_s else math.nan,
+        }
+
+
+def percentile(ordered: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of already sorted values (no interpolation between samples)."""
+    if not ordered:
+        return math.nan
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class Processes:
+    """Subprocesses this benchmark started; stopped in reverse order, each by its own handle."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(
+        self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        logger.info("starting %s: %s", name, shlex.join(cmd))
+        process = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2]
+        )
+        log.close()
+        self.running.append((name, process))
+        return process
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.log_dir / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop_all(self) -> None:
+        for name, process in reversed(self.running):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s ignored SIGTERM; killing it", name)
+                    process.kill()
+                    process.wait()
+        self.running.clear()
+
+
+async def wait_healthy(
+    session: aiohttp.ClientSession, target: Target, process: subprocess.Popen[bytes], processes: Processes
+) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"{target.name} exited with {process.returncode}:\n{processes.log_tail(target.name)}"
+            )
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(target.health_url, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(
+        f"{target.name} not healthy after {STARTUP_TIMEOUT_S:.0f}s:\n{processes.log_tail(target.name)}"
+    )
+
+
+@dataclass(frozen=True)
+class Load:
+    """The request every call of a scenario sends, and how many are in flight at once."""
+
+    body: bytes
+    headers: dict[str, str]
+    stream: bool
+    concurrency: int
+
+
+async def run_batch(
+    session: aiohttp.ClientSession, target: Target, load: Load, count: int, into: Samples
+) -> None:
+    """Send ``count`` requests with ``load.concurrency`` in flight; a request fails unless it is 200
+    and, for streams, ends with ``[DONE]``."""
+    remaining = count
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            started = time.perf_counter()
+            try:
+                async with session.post(target.chat_url, data=load.body, headers=load.headers) as response:
+                    payload = await response.read()
+                    ok = response.status == 200 and (not load.stream or payload.endswith(b"data: [DONE]\n\n"))
+            except (TimeoutError, aiohttp.ClientError):
+                ok = False
+            if ok:
+                into.latencies_s.append(time.perf_counter() - started)
+            else:
+                into.errors += 1
+
+    started, errors_before = time.perf_counter(), into.errors
+    await asyncio.gather(*(worker() for _ in range(load.concurrency)))
+    elapsed = time.perf_counter() - started
+    into.busy_s += elapsed
+    into.batch_rates.append((count - (into.errors - errors_before)) / elapsed)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collector pauses in the load generator would show up as latency of whichever side is running."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def run_scenario(
+    session: aiohttp.ClientSession,
+    direct: Target,
+    gateway: Target,
+    args: argparse.Namespace,
+    *,
+    stream: bool,
+    concurrency: int,
+) -> dict[str, Any]:
+    request: dict[str, Any] = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}]}
+    if stream:
+        request["stream"] = True
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {args.api_key}"}
+    load = Load(json.dumps(request).encode(), headers, stream, concurrency)
+    batch = args.serial_batch if concurrency == 1 else args.concurrent_batch
+    samples = {direct.name: Samples(), gateway.name: Samples()}
+    for target in (direct, gateway):
+        await run_batch(session, target, load, args.warmup, Samples())
+    for round_no in range(args.rounds):
+        order = (direct, gateway) if round_no % 2 == 0 else (gateway, direct)
+        for target in order:
+            with gc_paused():
+                await run_batch(session, target, load, batch, samples[target.name])
+    d, g = samples[direct.name].summary(), samples[gateway.name].summary()
+    result = {
+        "stream": stream,
+        "concurrency": concurrency,
+        "direct": d,
+        "gateway": g,
+        "added_p50_ms": g["p50_ms"] - d["p50_ms"],
+        "added_p99_ms": g["p99_ms"] - d["p99_ms"],
+        "req_per_s_ratio": g["req_per_s"] / d["req_per_s"],
+        # Each gateway batch against the direct batch next to it, then the median: robust to bursts of
+        # unrelated load on a shared machine, which the pooled ratio is not.
+        "req_per_s_ratio_paired": statistics.median(
+            gw / dr
+            for gw, dr in zip(
+                samples[gateway.name].batch_rates, samples[direct.name].batch_rates, strict=True
+            )
+        ),
+    }
+    logger.info(
+        "done: stream=%s concurrency=%d added p50 %.3f ms, p99 %.3f ms",
+        stream,
+        concurrency,
+        result["added_p50_ms"],
+        result["added_p99_ms"],
+    )
+    return result
+
+
+def format_table(scenarios: Sequence[dict[str, Any]]) -> str:
+    header = (
+        f"{'mode':<10} {'conc':>4} | {'p50 direct':>10} {'gateway':>9} {'added':>9} | "
+        f"{'p99 direct':>10} {'gateway':>9} {'added':>9} | {'req/s direct':>12} {'gateway':>8} {'ratio':>6}"
+        f" | {'errors':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in scenarios:
+        d, g = s["direct"], s["gateway"]
+        lines.append(
+            f"{'stream' if s['stream'] else 'non-stream':<10} {s['concurrency']:>4} | "
+            f"{d['p50_ms']:>10.3f} {g['p50_ms']:>9.3f} {s['added_p50_ms']:>9.3f} | "
+            f"{d['p99_ms']:>10.3f} {g['p99_ms']:>9.3f} {s['added_p99_ms']:>9.3f} | "
+            f"{d['req_per_s']:>12.0f} {g['req_per_s']:>8.0f} {s['req_per_s_ratio_paired']:>6.2f} | "
+            f"{d['errors'] + g['errors']:>6}"
+        )
+    lines.append(
+        "latencies in ms to the last byte; added = gateway - direct at that percentile; "
+        "ratio = median over rounds of gateway/direct req/s in adjacent batches"
+    )
+    return "\n".join(lines)
+
+
+def start_servers(
+    processes: Processes, args: argparse.Namespace, data_dir: Path
+) -> tuple[Target, Target, list[subprocess.Popen[bytes]]]:
+    up_port, gw_port = free_port(), free_port()
+    upstream_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(up_port)]
+    direct = Target(
+        "upstream", f"http://127.0.0.1:{up_port}/v1/chat/completions", f"http://127.0.0.1:{up_port}/health"
+    )
+    started = [processes.start(direct.name, upstream_cmd)]
+    if args.self_test:
+        gateway = Target(
+            "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", f"http://127.0.0.1:{gw_port}/health"
+        )
+        gateway_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(gw_port)]
+        started.append(processes.start(gateway.name, gateway_cmd))
+        return direct, gateway, started
+    env = {
+        **os.environ,
+        "KAIZEN_ENGINE": "upstream",
+        "KAIZEN_UPSTREAM_URL": f"http://127.0.0.1:{up_port}/v1",
+        "KAIZEN_PORT": str(gw_port),
+        "KAIZEN_HOST": "127.0.0.1",
+        "KAIZEN_DATA_DIR": str(data_dir),
+        "KAIZEN_DATABASE_URL": f"sqlite:///{data_dir}/bench.db",
+    }
+    for assignment in args.gateway_env:
+        key, _, value = assignment.partition("=")
+        env[key] = value
+    gateway = Target(
+        "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", f"http://127.0.0.1:{gw_port}/healthz"
+    )
+    started.append(processes.start(gateway.name, shlex.split(args.gateway_cmd), env))
+    return direct, gateway, started
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kaizen-bench-") as tmp:
+        processes = Processes(Path(tmp))
+        try:
+            direct, gateway, started = start_servers(processes, args, Path(tmp))
+            # No per-host limit and no DNS: the client must never be what queues requests.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, use_dns_cache=True, force_close=False)
+            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                for target, process in zip((direct, gateway), started, strict=True):
+                    await wait_healthy(session, target, process, processes)
+                scenarios = [
+                    await run_scenario(session, direct, gateway, args, stream=stream, concurrency=concurrency)
+                    for concurrency in args.concurrency
+                    for stream in (False, True)
+                ]
+        except BaseException:
+            if processes.running:
+                logger.error("gateway log tail:\n%s", processes.log_tail("gateway"))
+            raise
+        finally:
+            processes.stop_all()
+    return {
+        "benchmark": "gateway overhead",
+        "self_test": args.self_test,
+        "gateway_cmd": None if args.self_test else args.gateway_cmd,
+        "settings": {key: value for key, value in vars(args).items() if key not in {"out", "api_key"}},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "aiohttp": aiohttp.__version__,
+        },
+        "unix_time": int(time.time()),
+        "scenarios": scenarios,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--gateway-cmd",
+        default=f"{shlex.quote(sys.executable)} -m gateway serve",
+        help="command that starts the gateway (KAIZEN_* env is set for it)",
+    )
+    parser.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the gateway; repeatable",
+    )
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="a second scripted upstream stands in for the gateway (added latency ~0)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser.add_argument("--model", default="scripted-1")
+    parser.add_argument("--prompt", default="hello")
+    parser.add_argument("--api-key", default="bench", help="sent as a bearer token to both sides")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--rounds", type=int, default=16, help="alternating batches per side and scenario")
+    parser.add_argument("--serial-batch", type=int, default=120, help="requests per batch at concurrency 1")
+    parser.add_argument("--concurrent-batch", type=int, default=600, help="requests per batch above 1")
+    parser.add_argument("--warmup", type=int, default=200, help="unmeasured requests per side and scenario")
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or min(args.rounds, args.serial_batch, args.concurrent_batch) < 1:
+        parser.error("concurrency, rounds and batch sizes must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        import uvloop
+    except ImportError:  # optional: a faster loop only makes the load generator lighter
+        run = asyncio.run
+    else:
+        run = uvloop.run
+    results = run(benchmark(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    logger.info("\n%s\nresults written to %s", format_table(results["scenarios"]), args.out)
+
+
+if __name__ == "__main__":
+    main()

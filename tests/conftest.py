@@ -1,0 +1,87 @@
+"""Shared fixtures: a throwaway PostgreSQL, the scripted upstream, and real gateways on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from gateway.settings import Settings, async_database_url
+from tests.support.gateway_server import GatewayServer
+from tests.support.postgres import PostgresServer, find_bin_dir
+from tests.support.scripted_upstream import ScriptedUpstream
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        pytest.fail("PostgreSQL server binaries not found (install Debian's postgresql package)")
+    server = PostgresServer(bin_dir)
+    server.init()
+    server.start()
+    server.wait_ready()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each supported kind."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'kaizen.db'}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return server.create_database("t_" + uuid.uuid4().hex[:12])
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[ScriptedUpstream]:
+    with ScriptedUpstream() as server:
+        yield server
+
+
+def query(url: str, sql: str, **params: Any) -> list[dict[str, Any]]:
+    """Run a SQL query against a database the way a user would, and return plain dicts."""
+
+    async def run() -> list[dict[str, Any]]:
+        engine = create_async_engine(async_database_url(url))
+        try:
+            async with engine.connect() as conn:
+                result = await conn.execute(text(sql), params)
+                return [dict(row._mapping) for row in result]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callable[..., GatewayServer]]:
+    """Start gateways with the given settings overrides; all are stopped at the end of the test."""
+    started: list[GatewayServer] = []
+
+    def make(database_url: str, **overrides: Any) -> GatewayServer:
+        settings = Settings.load(
+            data_dir=tmp_path / f"data{len(started)}",
+            database_url=database_url,
+            engine="upstream",
+            upstream_url=upstream.url,
+            upstream_token_ids=True,
+            port=0,
+            capture_flush_ms=5.0,
+            capture_retry_s=0.2,
+            **overrides,
+        )
+        server = GatewayServer(settings).start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()

@@ -1,0 +1,160 @@
+"""Bad input gets a 4xx in OpenAI's error shape and writes nothing (no call row, no upstream request)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+from tests.support.scripted_upstream import ScriptedUpstream
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "scripted-1", "messages": USER, **fields}
+
+
+# (case id, request body (bytes or JSON), extra headers, expected status, expected `param` or None)
+CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
+    ("malformed json", b'{"model": "scripted-1", "messages": [', {}, 400, None),
+    ("body is an array", [1, 2], {}, 400, None),
+    ("body is a string", "hello", {}, 400, None),
+    ("empty body", b"", {}, 400, None),
+    ("missing model", {"messages": USER}, {}, 400, None),
+    ("model not a string", body(model=12), {}, 400, "model"),
+    ("empty model", body(model=""), {}, 400, "model"),
+    ("missing messages", {"model": "scripted-1"}, {}, 400, None),
+    ("empty messages", body(messages=[]), {}, 400, "messages"),
+    ("messages not a list", body(messages="hi"), {}, 400, "messages"),
+    ("message not an object", body(messages=[1]), {}, 400, "messages[0]"),
+    ("unknown role", body(messages=[{"role": "wizard", "content": "x"}]), {}, 400, "messages[0].role"),
+    ("missing role", body(messages=[{"content": "x"}]), {}, 400, "messages[0]"),
+    ("content wrong type", body(messages=[{"role": "user", "content": 5}]), {}, 400, "messages[0].content"),
+    (
+        "unknown content part",
+        body(messages=[{"role": "user", "content": [{"type": "video"}]}]),
+        {},
+        400,
+        None,
+    ),
+    ("tool message without id", body(messages=[{"role": "tool", "content": "r"}]), {}, 400, "messages[0]"),
+    ("n zero", body(n=0), {}, 400, "n"),
+    ("n above the cap", body(n=100), {}, 400, "n"),
+    ("n wrong type", body(n="2"), {}, 400, "n"),
+    ("temperature too high", body(temperature=3), {}, 400, "temperature"),
+    ("top_p above one", body(top_p=1.5), {}, 400, "top_p"),
+    ("max_tokens zero", body(max_tokens=0), {}, 400, "max_tokens"),
+    ("max_tokens wrong type", body(max_tokens="ten"), {}, 400, "max_tokens"),
+    ("too many stop sequences", body(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
+    ("top_logprobs without logprobs", body(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("top_logprobs above 20", body(logprobs=True, top_logprobs=21), {}, 400, "top_logprobs"),
+    ("tool without a name", body(tools=[{"type": "function", "function": {}}]), {}, 400, "tools[0].function"),
+    ("tool name with spaces", body(tools=[{"type": "function", "function": {"name": "a b"}}]), {}, 400, None),
+    ("unknown tool_choice", body(tool_choice="sometimes"), {}, 400, "tool_choice"),
+    (
+        "named tool_choice without tools",
+        body(tool_choice={"type": "function", "function": {"name": "f"}}),
+        {},
+        400,
+        "tool_choice",
+    ),
+    ("unknown response_format", body(response_format={"type": "xml"}), {}, 400, "response_format.type"),
+    ("stream not a bool", body(stream="yes"), {}, 400, "stream"),
+    (
+        "stream_options without stream",
+        body(stream_options={"include_usage": True}),
+        {},
+        400,
+        "stream_options",
+    ),
+    ("metadata value not a string", body(metadata={"k": 1}), {}, 400, None),
+    ("invalid episode id header", body(), {"x-episode-id": "bad id with spaces"}, 400, None),
+    ("invalid metadata episode id", body(metadata={"episode_id": "x" * 100}), {}, 400, "metadata.episode_id"),
+    ("unknown model", body(model="no-such-model"), {}, 404, "model"),
+    ("body too large", body(messages=[{"role": "user", "content": "x" * 70_000}]), {}, 413, None),
+]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: ScriptedUpstream) -> Iterator[GatewayServer]:
+    from gateway.settings import Settings
+
+    data = tmp_path_factory.mktemp("bad-input")
+    settings = Settings.load(
+        data_dir=data,
+        database_url=f"sqlite:///{data / 'k.db'}",
+        upstream_url=upstream.url,
+        port=0,
+        max_body_bytes=64 * 1024,
+        capture_flush_ms=5.0,
+    )
+    server = GatewayServer(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    ("payload", "headers", "status", "param"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input(
+    gateway: GatewayServer,
+    upstream: ScriptedUpstream,
+    payload: Any,
+    headers: dict[str, str],
+    status: int,
+    param: str | None,
+) -> None:
+    before = len(upstream.requests)
+    content = payload if isinstance(payload, bytes) else httpx.Request("POST", "/", json=payload).content
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", **headers},
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == (
+        "not_found_error" if status == 404 else "invalid_request_error"
+    )
+    assert error["code"] is None or isinstance(error["code"], str)
+    if param is not None:
+        assert error["param"] == param
+    gateway.flush()
+    assert len(upstream.requests) == before
+    assert query(gateway.settings.database_url, "SELECT count(*) AS n FROM calls") == [{"n": 0}]
+    assert gateway.services.sink.snapshot()["queued"] == 0
+
+
+def test_wrong_method_and_route_are_openai_shaped(gateway: GatewayServer) -> None:
+    for response, status in (
+        (httpx.get(gateway.url + "/v1/chat/completions"), 405),
+        (httpx.post(gateway.url + "/v1/nope", json={}), 404),
+    ):
+        assert response.status_code == status
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_case_count() -> None:
+    assert len(CASES) >= 25
+
+
+MakeGateway = Callable[..., GatewayServer]
+
+
+def test_unknown_model_writes_nothing_on_postgres(
+    make_gateway: MakeGateway, postgres: Any, tmp_path: Path
+) -> None:
+    url = postgres.create_database("bad_input_pg")
+    gw = make_gateway(url)
+    response = httpx.post(gw.url + "/v1/chat/completions", json=body(model="nope"))
+    assert response.status_code == 404
+    gw.flush()
+    assert query(url, "SELECT count(*) AS n FROM calls") == [{"n": 0}]
+    assert query(url, "SELECT count(*) AS n FROM episodes") == [{"n": 0}]

@@ -1,0 +1,262 @@
+"""The gateway in front of the scripted upstream, called with the official `openai` SDK, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+from tests.support.openai_schema import validate
+from tests.support.scripted_upstream import text_token_ids
+
+MakeGateway = Callable[..., GatewayServer]
+
+
+def client(gw: GatewayServer, **kwargs: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+
+def calls(gw: GatewayServer, url: str) -> list[dict[str, object]]:
+    gw.flush()
+    rows = query(url, "SELECT * FROM calls ORDER BY created_at")
+    for row in rows:  # JSON columns come back as text from SQLite
+        for key in (
+            "request",
+            "response",
+            "usage",
+            "prompt_token_ids",
+            "completion_token_ids",
+            "completion_logprobs",
+            "error",
+        ):
+            if isinstance(row[key], str):
+                row[key] = json.loads(row[key])
+    return rows
+
+
+def test_non_stream_is_conformant_and_captured(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": "hello there"}], temperature=0.5, seed=7
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content == "echo: hello there"
+    assert completion.choices[0].logprobs is None  # asked for by the gateway, not by the client
+    validate("CreateChatCompletionResponse", raw.http_response.json())
+    request_id = raw.headers["x-request-id"]
+    assert completion.id == f"chatcmpl-{request_id}"
+
+    [row] = calls(gw, database_url)
+    assert row["id"] == request_id
+    assert row["episode_id"] == raw.headers["x-episode-id"]
+    assert row["status"] == "ok" and row["position"] == 0 and row["stream"] in (False, 0)
+    assert row["request"]["messages"] == [{"role": "user", "content": "hello there"}]
+    assert row["request"]["params"]["temperature"] == 0.5 and row["request"]["params"]["seed"] == 7
+    assert row["response"]["choices"][0]["message"]["content"] == "echo: hello there"
+    assert row["completion_token_ids"] == [text_token_ids("echo: hello there")]
+    assert row["completion_logprobs"] == [[-0.0, -0.1, -0.2]]
+    assert row["prompt_tokens"] == completion.usage.prompt_tokens  # type: ignore[union-attr]
+    assert row["latency_ms"] > 0
+    [episode] = query(database_url, "SELECT * FROM episodes")
+    assert episode["id"] == row["episode_id"]
+
+
+def test_client_logprobs_are_returned_when_asked(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": "a b"}], logprobs=True, top_logprobs=2
+    )
+    body = raw.http_response.json()
+    validate("CreateChatCompletionResponse", body)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [entry["logprob"] for entry in content] == [-0.0, -0.1, -0.2]
+    assert body["choices"][0]["logprobs"]["refusal"] is None
+    assert "token_ids" not in body["choices"][0] and "prompt_token_ids" not in body
+
+
+def test_stream_is_conformant_and_assembled(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/chat/completions",
+        json={
+            "model": "scripted-1",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "#long 12"}],
+        },
+        timeout=10,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk)
+        assert "token_ids" not in json.dumps(chunk)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == " ".join(f"w{i}" for i in range(12))
+
+    [row] = calls(gw, database_url)
+    assert row["status"] == "ok" and row["stream"] in (True, 1)
+    assert row["response"]["choices"][0]["message"]["content"] == text
+    assert row["response"]["choices"][0]["finish_reason"] == "stop"
+    assert row["completion_token_ids"] == [text_token_ids(text)]
+    assert len(row["completion_logprobs"][0]) == 12
+    assert row["usage"]["completion_tokens"] == 12
+    assert row["ttft_ms"] is not None and row["ttft_ms"] <= row["latency_ms"]
+
+
+def test_stream_without_usage_request_hides_usage(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    stream = client(gw).chat.completions.create(
+        model="scripted-1", stream=True, messages=[{"role": "user", "content": "hi"}]
+    )
+    chunks = list(stream)
+    assert all(c.usage is None for c in chunks)
+    [row] = calls(gw, database_url)
+    assert row["usage"]["completion_tokens"] == 2  # the gateway still captured it
+
+
+def test_n_choices(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    completion = client(gw).chat.completions.create(
+        model="scripted-1", n=3, messages=[{"role": "user", "content": "x"}]
+    )
+    assert [c.message.content for c in completion.choices] == [f"echo: x [{i}]" for i in range(3)]
+    stream = client(gw).chat.completions.create(
+        model="scripted-1", n=2, stream=True, messages=[{"role": "user", "content": "y"}]
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == ["echo: y [0]", "echo: y [1]"]
+    rows = calls(gw, database_url)
+    assert [len(r["response"]["choices"]) for r in rows] == [3, 2]
+    assert [c["message"]["content"] for c in rows[1]["response"]["choices"]] == texts
+    assert len(rows[1]["completion_token_ids"]) == 2
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+def test_parallel_tool_calls_non_stream(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", tools=TOOLS, tool_choice="auto", messages=[{"role": "user", "content": "#tools2"}]
+    )
+    validate("CreateChatCompletionResponse", raw.http_response.json())
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [json.loads(t.function.arguments)["city"] for t in choice.message.tool_calls or []] == [
+        "Paris",
+        "London",
+    ]
+    [row] = calls(gw, database_url)
+    stored = row["response"]["choices"][0]["message"]["tool_calls"]
+    assert [t["function"]["name"] for t in stored] == ["get_weather", "get_weather"]
+    assert row["request"]["tools"] == TOOLS and row["request"]["tool_choice"] == "auto"
+
+
+def test_parallel_tool_calls_streamed(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    stream = client(gw).chat.completions.create(
+        model="scripted-1", tools=TOOLS, stream=True, messages=[{"role": "user", "content": "#tools2"}]
+    )
+    args: dict[int, str] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                args[delta.index] = args.get(delta.index, "") + (delta.function.arguments or "")  # type: ignore[union-attr]
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert {i: json.loads(a)["city"] for i, a in args.items()} == {0: "Paris", 1: "London"}
+    [row] = calls(gw, database_url)
+    stored = row["response"]["choices"][0]["message"]["tool_calls"]
+    assert [json.loads(t["function"]["arguments"]) for t in stored] == [{"city": "Paris"}, {"city": "London"}]
+    assert all(t["id"] for t in stored)
+    assert row["response"]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_models_health_and_ready(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    models = client(gw).models.list()
+    assert {m.id for m in models.data} == {"scripted-1", "scripted-2"}
+    assert httpx.get(gw.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(gw.url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["database"] is True
+
+
+def test_request_id_is_honoured_and_no_log_stores_nothing(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key="adm")
+    raw = client(
+        gw, default_headers={"x-request-id": "my-request-0001"}
+    ).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": "keep"}]
+    )
+    assert raw.headers["x-request-id"] == "my-request-0001"
+    client(gw, default_headers={"x-kaizen-no-log": "true"}).chat.completions.create(
+        model="scripted-1", messages=[{"role": "user", "content": "secret"}]
+    )
+    rows = calls(gw, database_url)
+    assert [r["id"] for r in rows] == ["my-request-0001"]
+    assert "secret" not in json.dumps(query(database_url, "SELECT * FROM episodes"), default=str)
+    stats = httpx.get(gw.url + "/admin/capture", headers={"authorization": "Bearer adm"}).json()
+    assert stats["opted_out"] == 1 and stats["written"] == 1 and stats["dropped"] == 0
+
+
+def test_upstream_failures_are_openai_shaped(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    for directive, status in (("#error 500", 502), ("#garbage", 502), ("#error 429", 429)):
+        response = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": "scripted-1", "messages": [{"role": "user", "content": directive}]},
+        )
+        assert response.status_code == status, directive
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert isinstance(response.json()["error"]["code"], str)
+    rows = calls(gw, database_url)
+    assert [r["status"] for r in rows] == ["error", "error", "error"]
+
+
+def test_engine_timeout_is_504(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, engine_timeout_s=0.5)
+    response = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "scripted-1", "messages": [{"role": "user", "content": "#hang"}]},
+        timeout=10,
+    )
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "engine_timeout"
+
+
+@pytest.mark.parametrize("keys", [["k1", "k2"]])
+def test_api_keys(make_gateway: MakeGateway, keys: list[str], tmp_path: object) -> None:
+    gw = make_gateway(f"sqlite:///{tmp_path}/auth.db", api_keys=keys)
+    body = {"model": "scripted-1", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=body).status_code == 401
+    bad = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    ok = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k2"})
+    assert ok.status_code == 200
+    assert httpx.get(gw.url + "/healthz").status_code == 200  # probes stay open

@@ -1,0 +1,145 @@
+"""Episodes (stitching, explicit ids), client disconnects and a database outage, through the live gateway."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+
+from tests.conftest import query
+from tests.integration.test_chat_capture import calls, client
+from tests.support.gateway_server import GatewayServer
+from tests.support.postgres import PostgresServer
+
+MakeGateway = Callable[..., GatewayServer]
+
+
+def converse(gw: GatewayServer, messages: list[Any], **kwargs: Any) -> tuple[str, str]:
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=messages, **kwargs
+    )
+    reply = raw.parse().choices[0].message
+    messages.append(reply.model_dump(exclude_none=True))  # what apps do with the SDK
+    return raw.headers["x-episode-id"], raw.headers["x-request-id"]
+
+
+def test_prefix_stitching(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    messages: list[Any] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"}]
+    episode, _ = converse(gw, messages)
+    messages.append({"role": "user", "content": "second"})
+    assert converse(gw, messages)[0] == episode
+    messages.append({"role": "user", "content": "third"})
+    assert converse(gw, messages)[0] == episode
+    other, _ = converse(gw, [{"role": "user", "content": "first"}])
+    assert other != episode  # same user text, different system prompt: a new conversation
+
+    rows = calls(gw, database_url)
+    assert [(r["episode_id"], r["position"]) for r in rows] == [
+        (episode, 0),
+        (episode, 1),
+        (episode, 2),
+        (other, 0),
+    ]
+    assert len({r["context_hash"] for r in rows[:3]}) == 1
+
+
+def test_stitching_survives_a_restart(make_gateway: MakeGateway, database_url: str) -> None:
+    first = make_gateway(database_url)
+    messages: list[Any] = [{"role": "user", "content": "remember me"}]
+    episode, _ = converse(first, messages)
+    first.flush()
+    first.stop()
+    second = make_gateway(database_url)
+    messages.append({"role": "user", "content": "again"})
+    assert converse(second, messages)[0] == episode
+    rows = calls(second, database_url)
+    assert [(r["episode_id"], r["position"]) for r in rows] == [(episode, 0), (episode, 1)]
+
+
+def test_explicit_episode_ids(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    tagged = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="x", max_retries=0, default_headers={"x-episode-id": "run-42"}
+    )
+    for text in ("plan", "act"):
+        raw = tagged.chat.completions.with_raw_response.create(
+            model="scripted-1", messages=[{"role": "user", "content": text}]
+        )
+        assert raw.headers["x-episode-id"] == "run-42"
+    via_metadata, _ = converse(
+        gw, [{"role": "user", "content": "m"}], metadata={"episode_id": "run-43", "group_key": "task-7"}
+    )
+    assert via_metadata == "run-43"
+    rows = calls(gw, database_url)
+    assert [(r["episode_id"], r["position"]) for r in rows] == [("run-42", 0), ("run-42", 1), ("run-43", 0)]
+    assert rows[2]["group_key"] == "task-7"
+    [episode] = query(database_url, "SELECT group_key FROM episodes WHERE id = 'run-43'")
+    assert episode["group_key"] == "task-7"
+
+
+def test_client_disconnect_mid_stream_is_recorded(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    payload = {
+        "model": "scripted-1",
+        "stream": True,
+        "messages": [{"role": "user", "content": "#long 30 #slow 100"}],
+    }
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=payload, timeout=10) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in received)
+    deadline = time.monotonic() + 10
+    rows: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not rows:
+        rows = calls(gw, database_url)
+        time.sleep(0.1)
+    [row] = rows
+    assert row["status"] == "client_disconnected"
+    content = row["response"]["choices"][0]["message"]["content"]
+    assert content.startswith("w0") and "w29" not in content
+
+
+def test_database_outage_loses_nothing(make_gateway: MakeGateway, postgres: PostgresServer) -> None:
+    url = postgres.create_database("outage")
+    gw = make_gateway(url, admin_key="adm")
+    ids: list[str] = []
+
+    def send(n: int) -> None:
+        for i in range(n):
+            raw = client(gw).chat.completions.with_raw_response.create(
+                model="scripted-1", messages=[{"role": "user", "content": f"call {len(ids)} {i}"}]
+            )
+            assert raw.http_response.status_code == 200
+            ids.append(raw.headers["x-request-id"])
+
+    send(5)
+    gw.flush()
+    postgres.stop()
+    try:
+        send(20)  # every call still succeeds for the client
+        gw.flush()
+        stats = httpx.get(gw.url + "/admin/capture", headers={"authorization": "Bearer adm"}).json()
+        assert stats["spooled"] >= 1 and stats["database_up"] is False
+        # Streams too.
+        stream = client(gw).chat.completions.create(
+            model="scripted-1", stream=True, messages=[{"role": "user", "content": "during outage"}]
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        postgres.start()
+        postgres.wait_ready()
+    deadline = time.monotonic() + 30
+    stats = {}
+    while time.monotonic() < deadline:
+        stats = httpx.get(gw.url + "/admin/capture", headers={"authorization": "Bearer adm"}).json()
+        if stats["spool_bytes"] == 0 and stats["database_up"]:
+            break
+        time.sleep(0.2)
+    assert stats["spool_bytes"] == 0 and stats["dropped"] == 0 and stats["replayed"] >= 1
+    rows = query(url, "SELECT id FROM calls")
+    assert len(rows) == 26
+    assert {r["id"] for r in rows} >= set(ids)

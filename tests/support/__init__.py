@@ -1,0 +1,1 @@
+"""Test helpers: real servers that integration tests and benchmarks talk to."""

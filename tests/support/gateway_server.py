@@ -1,0 +1,75 @@
+"""Run the real gateway app under uvicorn on a loopback port, in a background thread, for integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import httpx
+import uvicorn
+
+from gateway.app import Services, build_services, create_app
+from gateway.settings import Settings
+from storage.schema import upgrade_database
+from tests.support.postgres import free_port
+
+T = TypeVar("T")
+
+
+class GatewayServer:
+    """The gateway exactly as `kaizen serve` runs it, minus the process boundary (so tests can inspect it)."""
+
+    def __init__(self, settings: Settings, services: Services | None = None) -> None:
+        self.port = settings.port or free_port()
+        self.settings = settings.model_copy(update={"port": self.port})
+        self.services = services or build_services(self.settings)
+        self.app = create_app(self.services)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> GatewayServer:
+        asyncio.run(upgrade_database(self.settings.database_url))
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+
+        def run() -> None:
+            assert self._server is not None
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self._server.serve())
+
+        self._thread = threading.Thread(target=run, name="gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError("gateway did not start")
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        """Run a coroutine on the gateway's own event loop (e.g. to flush the capture queue)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def flush(self) -> None:
+        self.call(self.services.sink.flush())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)

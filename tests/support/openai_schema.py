@@ -1,0 +1,48 @@
+"""Validate gateway output against OpenAI's own API description (shared/reference/openai-openapi.json)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+SPEC_PATH = Path(__file__).resolve().parents[3] / "shared" / "reference" / "openai-openapi.json"
+
+
+def _json_schema(node: Any) -> Any:
+    """OpenAPI's `nullable: true` is not JSON Schema: rewrite it as an explicit null alternative."""
+    if isinstance(node, list):
+        return [_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _json_schema(value) for key, value in node.items() if key != "nullable"}
+    if node.get("nullable") is True:
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+        return {"anyOf": [out, {"type": "null"}]}
+    return out
+
+
+@functools.cache
+def _registry() -> Registry:
+    spec = _json_schema(copy.deepcopy(json.loads(SPEC_PATH.read_text())))
+    return Registry().with_resource("openai", Resource.from_contents(spec, default_specification=_draft()))
+
+
+def _draft() -> Any:
+    from referencing.jsonschema import DRAFT202012
+
+    return DRAFT202012
+
+
+def validate(schema_name: str, instance: Any) -> None:
+    """Raise `jsonschema.ValidationError` unless `instance` conforms to `components/schemas/<schema_name>`."""
+    validator = Draft202012Validator(
+        {"$ref": f"openai#/components/schemas/{schema_name}"}, registry=_registry()
+    )
+    validator.validate(instance)

@@ -1,0 +1,63 @@
+"""The settings object: sources, URL mapping, and the README staying in sync with it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import build_parser, settings_table
+from gateway.settings import Settings, async_database_url
+
+
+def test_database_urls_map_to_async_drivers() -> None:
+    assert async_database_url("sqlite:///x.db") == "sqlite+aiosqlite:///x.db"
+    assert async_database_url("postgresql://u@h/db") == "postgresql+asyncpg://u@h/db"
+    assert async_database_url("postgresql+asyncpg://u@h/db") == "postgresql+asyncpg://u@h/db"
+    with pytest.raises(ValueError, match="not a database URL"):
+        async_database_url("kaizen.db")
+
+
+def test_default_database_is_sqlite_under_data_dir(tmp_path: Path) -> None:
+    settings = Settings.load(data_dir=tmp_path)
+    assert settings.database_url == f"sqlite+aiosqlite:///{tmp_path.resolve() / 'kaizen.db'}"
+
+
+def test_environment_beats_toml_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "kaizen.toml"
+    config.write_text('port = 9001\nhost = "0.0.0.0"\napi_keys = ["a", "b"]\n')
+    monkeypatch.setenv("KAIZEN_PORT", "9002")
+    monkeypatch.setenv("KAIZEN_ADMIN_KEY", "adm")
+    settings = Settings.load(config)
+    assert (settings.port, settings.host, settings.api_keys, settings.admin_key) == (
+        9002,
+        "0.0.0.0",
+        ["a", "b"],
+        "adm",
+    )
+
+
+def test_comma_separated_keys_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAIZEN_API_KEYS", "k1, k2,")
+    assert Settings.load().api_keys == ["k1", "k2"]
+    monkeypatch.setenv("KAIZEN_PORT", "eighty")
+    with pytest.raises(ValueError, match="port"):
+        Settings.load()
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        Settings.load(tmp_path / "nope.toml")
+
+
+def test_every_setting_is_a_serve_flag_and_documented_in_the_readme() -> None:
+    serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- settings:start -->\n(.*?)<!-- settings:end -->", readme, re.S)
+    assert block is not None
+    assert block.group(1).strip() == settings_table().strip(), (
+        "README settings table is stale: run `kaizen settings`"
+    )
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in serve_help

@@ -1,0 +1,1 @@
+"""Kaizen trainer: turns captured, rewarded trajectories into new LoRA adapter versions."""
