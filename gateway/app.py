@@ -18,12 +18,18 @@ from gateway.capture import CaptureSink
 from gateway.chat import ChatService
 from gateway.controllers.admin import CaptureAdminController
 from gateway.controllers.chat import ChatController
+from gateway.controllers.episodes import EpisodesController
+from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
 from gateway.controllers.models import ModelsController
+from gateway.controllers.policies import PoliciesController
+from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
 from gateway.errors import APIError
+from gateway.feedback import FeedbackService
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.routing import ModelRouter
+from gateway.scheduling import Jobs
 from gateway.settings import Settings
 from storage.database import Database
 
@@ -40,6 +46,8 @@ class Services:
     router: ModelRouter
     sink: CaptureSink
     chat: ChatService
+    feedback: FeedbackService
+    jobs: Jobs
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -47,13 +55,57 @@ def build_engine(settings: Settings) -> Engine:
         from gateway.engines.upstream import UpstreamEngine
 
         return UpstreamEngine(settings)
-    raise ValueError(f"engine {settings.engine!r} is not available in this build")
+    return build_vllm_engine(settings)
+
+
+def build_vllm_engine(settings: Settings) -> Engine:
+    """The vLLM engine: attached by URL, or a supervised server for the (pulled if embedded) base model."""
+    from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
+    from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python
+
+    served = served_model_name(settings.base_model)
+    common = {
+        "served_name": served,
+        "timeout_s": settings.engine_timeout_s,
+        "connect_timeout_s": settings.engine_connect_timeout_s,
+        "max_connections": settings.engine_max_connections,
+        "startup_timeout_s": settings.vllm_startup_timeout_s,
+    }
+    if settings.vllm_url:
+        return VLLMEngine(base_url=settings.vllm_url, launch=None, **common)  # type: ignore[arg-type]
+    embedded = EMBEDDED_MODELS.get(settings.base_model)
+    launch = VLLMLaunch(
+        python=find_vllm_python(settings.vllm_python),
+        model=resolve_base_model(settings.base_model, settings.data_dir / "models"),
+        served_name=served,
+        port=settings.vllm_port,
+        max_model_len=settings.vllm_max_model_len,
+        max_loras=settings.vllm_max_loras,
+        max_lora_rank=settings.vllm_max_lora_rank,
+        kv_cache_gib=settings.vllm_kv_cache_gib,
+        dtype=settings.vllm_dtype,
+        tool_call_parser=settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else None),
+        chat_template=settings.vllm_chat_template or None,
+        extra_args=settings.vllm_extra_args.split(),
+    )
+    return VLLMEngine(
+        base_url=f"http://127.0.0.1:{settings.vllm_port}/v1",
+        launch=launch,
+        log_path=settings.data_dir / "logs" / "vllm.log",
+        **common,  # type: ignore[arg-type]
+    )
 
 
 def build_services(settings: Settings, engine: Engine | None = None) -> Services:
     database = Database(settings.database_url)
     engine = engine or build_engine(settings)
-    router = ModelRouter(engine, settings.models_refresh_s)
+    router = ModelRouter(
+        engine,
+        settings.models_refresh_s,
+        database=database,
+        policy_refresh_s=settings.policy_refresh_s,
+        idle_unload_s=settings.adapter_idle_unload_s,
+    )
     sink = CaptureSink(
         database,
         settings.spool_path,
@@ -70,7 +122,17 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
     )
-    return Services(settings, database, engine, router, sink, chat)
+    feedback = FeedbackService(
+        database,
+        sink.recent,
+        KeyRing(settings.api_keys),
+        secret=settings.feedback_secret,
+        tolerance_s=settings.feedback_tolerance_s,
+        grace_s=settings.feedback_grace_s,
+        link_interval_s=settings.feedback_link_interval_s,
+    )
+    jobs = Jobs(settings, database, schedule=settings.scheduler)
+    return Services(settings, database, engine, router, sink, chat, feedback, jobs)
 
 
 def _error(status: int, message: str, error_type: str, code: str | None) -> Response[ErrorResponse]:
@@ -110,23 +172,42 @@ def create_app(services: Services) -> Litestar:
         await services.sink.start()
         await services.router.start()
         await services.chat.warm(services.database)
+        await services.feedback.start()
+        await services.jobs.start()
         try:
             yield
         finally:
+            await services.jobs.stop()
+            await services.feedback.stop()
             await services.router.stop()
             await services.sink.stop()
             await services.engine.close()
             await services.database.dispose()
 
-    v1 = Router(path="/v1", route_handlers=[ChatController, ModelsController], guards=[require_api_key])
+    # Guards cost a handler copy per request: attach the key check only when keys are configured.
+    v1 = Router(
+        path="/v1",
+        route_handlers=[ChatController, ModelsController, EpisodesController],
+        guards=[require_api_key] if settings.api_keys else [],
+    )
     return Litestar(
-        route_handlers=[v1, HealthController, CaptureAdminController],
+        route_handlers=[
+            v1,
+            FeedbackController,
+            HealthController,
+            CaptureAdminController,
+            PoliciesController,
+            RunsController,
+        ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
             "router": Provide(lambda: services.router, sync_to_thread=False, use_cache=True),
             "sink": Provide(lambda: services.sink, sync_to_thread=False, use_cache=True),
             "database": Provide(lambda: services.database, sync_to_thread=False, use_cache=True),
             "engine": Provide(lambda: services.engine, sync_to_thread=False, use_cache=True),
+            "settings": Provide(lambda: services.settings, sync_to_thread=False, use_cache=True),
+            "feedback": Provide(lambda: services.feedback, sync_to_thread=False, use_cache=True),
+            "jobs": Provide(lambda: services.jobs, sync_to_thread=False, use_cache=True),
         },
         state=State({"api_keys": KeyRing(settings.api_keys), "admin_key": KeyRing([settings.admin_key])}),
         exception_handlers={

@@ -38,7 +38,7 @@ class KeyRing:
         return matched
 
 
-def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+async def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     ring: KeyRing = connection.app.state.api_keys
     if not ring.open and not ring.accepts(connection.headers.get("authorization")):
         raise AuthenticationError(
@@ -46,7 +46,7 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
         )
 
 
-def require_admin_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+async def require_admin_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     ring: KeyRing = connection.app.state.admin_key
     if ring.open:
         raise AuthenticationError("Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -91,6 +92,32 @@ class Spool:
             self._file = None
 
 
+class RecentTargets:
+    """Ids of recently submitted calls and their episodes (bounded), so feedback that arrives before the
+    writer stores its target (still queued, or in the spool) is recognised and accepted."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._calls: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self._episodes: OrderedDict[str, str | None] = OrderedDict()
+
+    def remember(self, record: CallRecord) -> None:
+        self._calls[record.id] = (record.episode_id, record.policy)
+        self._episodes[record.episode_id] = record.policy
+        self._episodes.move_to_end(record.episode_id)
+        for items in (self._calls, self._episodes):
+            while len(items) > self.size:
+                items.popitem(last=False)
+
+    def call(self, call_id: str) -> tuple[str, str | None] | None:
+        """(episode id, policy) of a recent call; the episode may still change if the writer stitches it."""
+        return self._calls.get(call_id)
+
+    def episode(self, episode_id: str) -> tuple[bool, str | None]:
+        """(known, policy) of a recent episode."""
+        return (episode_id in self._episodes, self._episodes.get(episode_id))
+
+
 class CaptureSink:
     """The bounded queue, its writer task and the spool."""
 
@@ -115,10 +142,12 @@ class CaptureSink:
         self._task: asyncio.Task[None] | None = None
         self._next_replay = 0.0
         self._unsettled = 0  # submitted records not yet in the database or the spool
+        self.recent = RecentTargets(max(queue_size, 100_000))
 
     # ------------------------------------------------------------------ request path
     def submit(self, record: CallRecord) -> None:
         """Hand a record to the writer. Never blocks and never raises into the request."""
+        self.recent.remember(record)
         try:
             self._queue.put_nowait(record)
             self.stats.queued += 1

@@ -154,6 +154,11 @@ class ChatService:
     async def complete(self, ctx: CallContext) -> bytes:
         """Non-streamed call: the encoded conformant response."""
         try:
+            await self.router.acquire(ctx.route)
+        except APIError as exc:
+            self._record(ctx, None, status="error", error=exc, ttft=None)
+            raise
+        try:
             raw = await self.engine.chat(self._engine_body(ctx))
             completion, captured = normalize_completion(
                 raw,
@@ -164,14 +169,22 @@ class ChatService:
         except APIError as exc:
             self._record(ctx, None, status="error", error=exc, ttft=None)
             raise
+        finally:
+            self.router.release(ctx.route)
         self._record(ctx, captured, status="ok", error=None, ttft=None)
         return _encode(completion)
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
         """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
         try:
+            await self.router.acquire(ctx.route)
+        except APIError as exc:
+            self._record(ctx, None, status="error", error=exc, ttft=None)
+            raise
+        try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
         except APIError as exc:
+            self.router.release(ctx.route)
             self._record(ctx, None, status="error", error=exc, ttft=None)
             raise
         include_usage = bool(ctx.request.stream_options and ctx.request.stream_options.include_usage)
@@ -198,6 +211,7 @@ class ChatService:
             finally:
                 # Runs on a client disconnect too (the relay is closed at its `yield`): the partial reply counts.
                 await engine_stream.close()
+                self.router.release(ctx.route)
                 self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
             yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
 

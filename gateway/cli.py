@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import types
@@ -14,6 +15,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from gateway.judge_command import add_judge_arguments
 from gateway.settings import Settings
 
 log = logging.getLogger("kaizen")
@@ -120,6 +122,176 @@ def settings_table() -> str:
     return "\n".join(lines)
 
 
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from gateway.base_models import pull_base_model
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    path = pull_base_model(args.name, settings.data_dir / "models")
+    log.info("%s is ready at %s", args.name, path)
+    return 0
+
+
+def cmd_policy_create(args: argparse.Namespace) -> int:
+    from gateway.policies import create_policy_with_initial_adapter
+    from storage.database import Database
+    from storage.schema import upgrade_database
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+
+    async def run() -> None:
+        await upgrade_database(settings.database_url)
+        database = Database(settings.database_url)
+        try:
+            policy = await create_policy_with_initial_adapter(
+                database,
+                settings.data_dir,
+                args.name,
+                settings.base_model,
+                exist_ok=args.exist_ok,
+            )
+        finally:
+            await database.dispose()
+        log.info(
+            "policy %s: base %s, active version %s", policy.name, policy.base_model, policy.active_version
+        )
+
+    asyncio.run(run())
+    return 0
+
+
+def cmd_policy_list(args: argparse.Namespace) -> int:
+    from storage.database import Database
+    from storage.policies import list_adapters, list_policies
+
+    settings = load_settings(args)
+
+    async def run() -> list[str]:
+        database = Database(settings.database_url)
+        try:
+            async with database.session() as session:
+                lines = []
+                for policy in await list_policies(session):
+                    versions = ", ".join(
+                        f"{a.version}:{a.status}" for a in await list_adapters(session, policy.id)
+                    )
+                    lines.append(
+                        f"{policy.name}\tbase={policy.base_model}\tactive={policy.active_version}\t{versions}"
+                    )
+                return lines
+        finally:
+            await database.dispose()
+
+    sys.stdout.write("".join(line + "\n" for line in asyncio.run(run())))
+    return 0
+
+
+def cmd_judge(args: argparse.Namespace) -> int:
+    from gateway.judge_command import run_judge
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    return run_judge(settings, args.policy, args.since, args.limit)
+
+
+def _override_value(text: str) -> Any:
+    """`--set` values are JSON when they parse (numbers, lists, objects), plain strings otherwise."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """One GRPO run of a policy (see trainer.job); exits 0 when a candidate was written, 3 when nothing was."""
+    from gateway.base_models import resolve_base_model
+    from gateway.judge_command import judge_settings, parse_since
+    from storage.database import Database
+    from storage.policies import get_policy
+    from storage.schema import upgrade_database
+    from trainer.grouping import PolicyScorer
+    from trainer.job import TrainRequest, run_training
+    from trainer.rewards import policy_reward_config
+    from trainer.scoring import Scorer
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    overrides = {
+        key: _override_value(value) for key, value in (item.split("=", 1) for item in args.set or [])
+    }
+
+    async def run() -> int:
+        await upgrade_database(settings.database_url)
+        database = Database(settings.database_url)
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, args.policy)
+                if policy is None:
+                    raise ValueError(f"unknown policy {args.policy!r}")
+                reward_config = await policy_reward_config(session, args.policy)
+            scorer = Scorer(reward_config, judge_settings(settings), webhook_secret=settings.feedback_secret)
+            request = TrainRequest(
+                policy=args.policy,
+                data_dir=settings.data_dir,
+                base_model_path=resolve_base_model(policy.base_model, settings.data_dir / "models"),
+                overrides=overrides,
+                since=parse_since(args.since) if args.since else None,
+                scorer=PolicyScorer(scorer, args.policy),
+                device=args.device,
+            )
+            outcome = await run_training(database, request)
+        finally:
+            await database.dispose()
+        log.info(
+            "training run %d: %s %s", outcome.run_id, outcome.status, outcome.adapter_path or outcome.error
+        )
+        return 0 if outcome.status == "succeeded" else 3
+
+    return asyncio.run(run())
+
+
+def cmd_policy_switch(args: argparse.Namespace) -> int:
+    """`kaizen policy promote P N` and `kaizen policy rollback P`."""
+    from storage.database import Database
+    from storage.policies import promote, rollback
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+
+    async def run() -> int | None:
+        database = Database(settings.database_url)
+        try:
+            async with database.session() as session:
+                if args.policy_command == "promote":
+                    policy = await promote(session, args.name, args.version)
+                else:
+                    policy = await rollback(session, args.name)
+                return policy.active_version
+        finally:
+            await database.dispose()
+
+    try:
+        version = asyncio.run(run())
+    except LookupError as exc:
+        log.error("kaizen: %s", exc)
+        return 2
+    log.info("policy %s: version %s is active", args.name, version)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run the policies' schedules without serving (set KAIZEN_SCHEDULER=false on the gateways), or with
+    `--once KIND` run one job of each policy (or of `--policy`) now and exit."""
+    from gateway.worker import run_once, run_worker
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    if args.once:
+        return run_once(settings, args.once, args.policy)
+    return run_worker(settings)
+
+
 def cmd_settings(_: argparse.Namespace) -> int:
     sys.stdout.write(settings_table() + "\n")
     return 0
@@ -141,6 +313,71 @@ def build_parser() -> argparse.ArgumentParser:
     upgrade.add_argument("revision", nargs="?", default="head")
     add_settings_flags(upgrade)
     upgrade.set_defaults(func=cmd_db_upgrade)
+
+    models = commands.add_parser("models", help="Base models.")
+    models_commands = models.add_subparsers(dest="models_command", required=True)
+    pull = models_commands.add_parser(
+        "pull", help="Build an embedded model's Hugging Face directory under the data directory (idempotent)."
+    )
+    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    add_settings_flags(pull)
+    pull.set_defaults(func=cmd_models_pull)
+
+    policy = commands.add_parser("policy", help="Policies: trainable models with LoRA versions.")
+    policy_commands = policy.add_subparsers(dest="policy_command", required=True)
+    create = policy_commands.add_parser(
+        "create", help="Create a policy with version 0 (a zero-effect LoRA) active."
+    )
+    create.add_argument("name")
+    create.add_argument("--exist-ok", action="store_true", help="Succeed if the policy already exists.")
+    add_settings_flags(create)
+    create.set_defaults(func=cmd_policy_create)
+    promote = policy_commands.add_parser("promote", help="Make version N the active version of a policy.")
+    promote.add_argument("name")
+    promote.add_argument("version", type=int)
+    add_settings_flags(promote)
+    promote.set_defaults(func=cmd_policy_switch)
+    rollback = policy_commands.add_parser("rollback", help="Re-activate the previously active version.")
+    rollback.add_argument("name")
+    add_settings_flags(rollback)
+    rollback.set_defaults(func=cmd_policy_switch)
+    listing = policy_commands.add_parser("list", help="List policies and their versions.")
+    add_settings_flags(listing)
+    listing.set_defaults(func=cmd_policy_list)
+
+    judge = commands.add_parser(
+        "judge", help="Score unscored groups of a policy's episodes (RULER or the policy's scorer)."
+    )
+    add_judge_arguments(judge)
+    add_settings_flags(judge)
+    judge.set_defaults(func=cmd_judge)
+
+    train = commands.add_parser(
+        "train",
+        help="Train a policy once with GRPO on its rewarded episodes; writes version N+1 (candidate).",
+    )
+    train.add_argument("--policy", required=True, help="Policy to train.")
+    train.add_argument(
+        "--since", help="Only episodes created since (24h, 7d, ISO); default: since the last run."
+    )
+    train.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="Override a TrainConfig field for this run."
+    )
+    train.add_argument("--device", help="torch device (default: cuda when available, else cpu).")
+    add_settings_flags(train)
+    train.set_defaults(func=cmd_train)
+
+    worker = commands.add_parser(
+        "worker", help="Run the policies' scheduled jobs (judge, train, retention) without serving."
+    )
+    worker.add_argument(
+        "--once",
+        choices=["judge", "train", "retention"],
+        help="Run this job now for every policy (or --policy) and exit; prints one JSON line per run.",
+    )
+    worker.add_argument("--policy", help="With --once: only this policy.")
+    add_settings_flags(worker)
+    worker.set_defaults(func=cmd_worker)
 
     settings = commands.add_parser(
         "settings", help="Print every setting with its default, as a Markdown table."

@@ -27,6 +27,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers: dict[str, str] = {}
         if status_code is not None:
             self.status_code = status_code
 
@@ -34,9 +35,9 @@ class APIError(Exception):
         return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.code))
 
     def to_response(self) -> Response[ErrorResponse]:
-        headers = (
-            {"retry-after": str(max(1, round(self.retry_after)))} if self.retry_after is not None else None
-        )
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["retry-after"] = str(max(1, round(self.retry_after)))
         return Response(self.body(), status_code=self.status_code, headers=headers)
 
 

@@ -1,7 +1,9 @@
-"""Which engine model serves a request's `model`: engine models as they are, policies by version.
+"""Which engine model serves a request's `model`: engine models as they are, policies by adapter version.
 
-The request path only reads in-memory state; a background task refreshes it from the engine (and, with the
-vLLM engine, from the policies table), so resolving a model never waits on the network or the database.
+`model="support-bot"` goes to the policy's active version, `model="support-bot@7"` pins version 7, and the
+engine's own models (the base model) stay addressable. The request path only reads in-memory state; a
+background task refreshes it from the engine and the policies table, loads active versions into the engine as
+`policy@N` (a new version is always a new name) and unloads versions that are neither active nor in use.
 """
 
 from __future__ import annotations
@@ -9,13 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from gateway.engines.base import Engine
 from gateway.errors import NotFound
+from storage.database import Database
+from storage.policies import list_adapters, list_policies
 
 log = logging.getLogger(__name__)
+
+_PINNED = re.compile(r"^(?P<policy>.+)@(?P<version>\d+)$")
 
 
 @dataclass(frozen=True)
@@ -23,20 +32,64 @@ class Route:
     engine_model: str  # the name the engine knows
     policy: str | None  # the policy (or plain model) the call is stored under
     adapter_version: int | None
+    adapter_path: str | None = None
+
+
+@dataclass
+class PolicyState:
+    active_version: int | None
+    versions: dict[int, str] = field(default_factory=dict)  # version -> adapter directory
+
+
+def adapter_name(policy: str, version: int) -> str:
+    return f"{policy}@{version}"
 
 
 class ModelRouter:
-    """Resolves `model` strings against what the engine serves; refreshed in the background."""
+    """Resolves `model` strings; keeps the engine's loaded adapters in line with the policies table."""
 
-    def __init__(self, engine: Engine, refresh_s: float) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        refresh_s: float,
+        *,
+        database: Database | None = None,
+        policy_refresh_s: float = 2.0,
+        idle_unload_s: float = 300.0,
+    ) -> None:
         self.engine = engine
         self.refresh_s = refresh_s
+        self.database = database if engine.capabilities.adapters else None
+        self.policy_refresh_s = policy_refresh_s
+        self.idle_unload_s = idle_unload_s
         self.engine_models: set[str] = set()
+        self.policies: dict[str, PolicyState] = {}
         self.created = int(time.time())
-        self._task: asyncio.Task[None] | None = None
+        self.in_flight: Counter[str] = Counter()
+        self.last_used: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
 
+    # ------------------------------------------------------------------ request path
     def resolve(self, model: str) -> Route:
-        if model in self.engine_models or not self.engine_models:
+        policy = self.policies.get(model)
+        if policy is not None:
+            if policy.active_version is None or policy.active_version not in policy.versions:
+                raise NotFound(
+                    f"policy `{model}` has no active version yet", param="model", code="model_not_found"
+                )
+            return self._adapter_route(model, policy.active_version, policy)
+        pinned = _PINNED.match(model)
+        if pinned is not None and pinned["policy"] in self.policies:
+            version = int(pinned["version"])
+            state = self.policies[pinned["policy"]]
+            if version not in state.versions:
+                raise NotFound(
+                    f"policy `{pinned['policy']}` has no version {version}",
+                    param="model",
+                    code="model_not_found",
+                )
+            return self._adapter_route(pinned["policy"], version, state)
+        if model in self.engine_models or (not self.engine_models and self.database is None):
             # An engine that could not list its models yet decides for itself.
             return Route(model, model, None)
         raise NotFound(
@@ -45,26 +98,106 @@ class ModelRouter:
             code="model_not_found",
         )
 
-    def listed(self) -> list[str]:
-        return sorted(self.engine_models)
+    @staticmethod
+    def _adapter_route(policy: str, version: int, state: PolicyState) -> Route:
+        return Route(adapter_name(policy, version), policy, version, state.versions[version])
 
+    async def acquire(self, route: Route) -> None:
+        """Mark a call in flight on `route` (so its adapter is not unloaded) and make sure it is loaded."""
+        self.in_flight[route.engine_model] += 1
+        self.last_used[route.engine_model] = time.monotonic()
+        if route.adapter_path is not None:
+            try:
+                await self.engine.load_adapter(route.engine_model, route.adapter_path)
+            except BaseException:
+                self.release(route)
+                raise
+
+    def release(self, route: Route) -> None:
+        self.in_flight[route.engine_model] -= 1
+        if self.in_flight[route.engine_model] <= 0:
+            del self.in_flight[route.engine_model]
+
+    def listed(self) -> list[str]:
+        names = set(self.engine_models)
+        for policy, state in self.policies.items():
+            if state.active_version is not None:
+                names.add(policy)
+        return sorted(names)
+
+    # ------------------------------------------------------------------ background
     async def refresh(self) -> None:
         try:
             self.engine_models = set(await self.engine.list_models())
         except Exception as exc:
             log.warning("could not list the engine's models: %s", exc)
 
+    async def refresh_policies(self) -> None:
+        if self.database is None:
+            return
+        try:
+            async with self.database.session() as session:
+                fresh: dict[str, PolicyState] = {}
+                for policy in await list_policies(session):
+                    versions = {a.version: a.path for a in await list_adapters(session, policy.id)}
+                    fresh[policy.name] = PolicyState(policy.active_version, versions)
+        except Exception as exc:
+            log.warning("could not read policies: %s", exc)
+            return
+        for name, state in fresh.items():
+            old = self.policies.get(name)
+            if old is not None and old.active_version != state.active_version:
+                log.info("policy %s: active version %s -> %s", name, old.active_version, state.active_version)
+        # Load new active versions before switching to them, so no call waits on a load.
+        for name, state in fresh.items():
+            if state.active_version is not None and state.active_version in state.versions:
+                try:
+                    await self.engine.load_adapter(
+                        adapter_name(name, state.active_version), state.versions[state.active_version]
+                    )
+                except Exception as exc:
+                    log.error("could not load %s@%s: %s", name, state.active_version, exc)
+                    if name in self.policies:
+                        fresh[name].active_version = self.policies[name].active_version
+        self.policies = fresh
+        await self._unload_idle()
+
+    async def _unload_idle(self) -> None:
+        active = {
+            adapter_name(n, s.active_version)
+            for n, s in self.policies.items()
+            if s.active_version is not None
+        }
+        loaded = getattr(self.engine, "adapters", {})
+        now = time.monotonic()
+        for name in list(loaded):
+            if name in active or self.in_flight.get(name, 0) > 0:
+                continue
+            if now - self.last_used.get(name, 0.0) < self.idle_unload_s:
+                continue
+            try:
+                await self.engine.unload_adapter(name)
+            except Exception as exc:
+                log.warning("could not unload %s: %s", name, exc)
+
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="model-refresh")
+        await self.refresh_policies()
+        self._tasks = [
+            asyncio.create_task(self._every(self.refresh_s, self.refresh), name="model-refresh"),
+            asyncio.create_task(
+                self._every(self.policy_refresh_s, self.refresh_policies), name="policy-refresh"
+            ),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
-    async def _loop(self) -> None:
+    @staticmethod
+    async def _every(seconds: float, job: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+            await asyncio.sleep(seconds)
+            await job()

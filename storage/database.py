@@ -6,8 +6,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from sqlalchemy import event, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+
+def _json_dumps(value: Any) -> str:
+    return msgspec.json.encode(value).decode()
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -26,7 +31,12 @@ class Database:
     def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
-        kwargs: dict[str, Any] = {"pool_pre_ping": True}
+        # msgspec encodes the JSON columns several times faster than the stdlib json module.
+        kwargs: dict[str, Any] = {
+            "pool_pre_ping": True,
+            "json_serializer": _json_dumps,
+            "use_insertmanyvalues": False,
+        }
         if self.is_sqlite:
             kwargs["connect_args"] = {"timeout": 30}
         else:

@@ -135,6 +135,27 @@ class Reward(Base):
     comment: Mapped[str | None] = mapped_column(Text)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True)
+    # linked: its call/episode exists; pending: not written yet; orphaned: still unknown after the grace period.
+    status: Mapped[str] = mapped_column(String(16), default="linked", server_default="linked", index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
+class JudgeGroup(Base):
+    """One judging attempt of a group of episodes (RULER or another scorer): outcome, error, cost, latency."""
+
+    __tablename__ = "judge_groups"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy: Mapped[str | None] = mapped_column(String(128), index=True)
+    group_key: Mapped[str] = mapped_column(String(256))
+    episode_ids: Mapped[list[Any]] = mapped_column()
+    scorer: Mapped[str] = mapped_column(String(16))  # judge | function | webhook
+    model: Mapped[str | None] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))  # judged | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    error: Mapped[str | None] = mapped_column(Text)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    cost_usd: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 
@@ -154,3 +175,33 @@ class TrainingRun(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TrainingLock(Base):
+    """At most one training job per policy: the primary key makes a second insert fail on every database.
+
+    A crashed job stops renewing `expires_at`; another job may then take the lock over.
+    """
+
+    __tablename__ = "training_locks"
+
+    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    run_id: Mapped[int | None] = mapped_column(Integer)
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class JobLock(Base):
+    """A scheduled job holding a policy (judge, train, retention): one at a time per key, in any process.
+
+    Taken with an insert that conflicts on the key, so it works the same on SQLite and PostgreSQL.
+    """
+
+    __tablename__ = "job_locks"
+
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    job: Mapped[str] = mapped_column(String(32))
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.settings import Settings, async_database_url
 from tests.support.gateway_server import GatewayServer
-from tests.support.postgres import PostgresServer, find_bin_dir
+from tests.support.postgres import PostgresServer, find_bin_dir, free_port
 from tests.support.scripted_upstream import ScriptedUpstream
 
 
@@ -76,7 +77,7 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
             port=0,
             capture_flush_ms=5.0,
             capture_retry_s=0.2,
-            **overrides,
+            **{"scheduler": False, **overrides},  # no background jobs unless a test asks for them
         )
         server = GatewayServer(settings).start()
         started.append(server)
@@ -85,3 +86,49 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
     yield make
     for server in started:
         server.stop()
+
+
+MODELS_DIR = Path(__file__).resolve().parents[1] / "kaizen-data" / "models"
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """The embedded base model as a Hugging Face directory, built once into the repo's (git-ignored) data dir."""
+    from gateway.base_models import pull_base_model
+
+    return pull_base_model("smollm2-135m-instruct", MODELS_DIR)
+
+
+@dataclass
+class VLLMServer:
+    """The session's real vLLM (CPU build), started and supervised by a real gateway."""
+
+    gateway: GatewayServer
+    url: str  # the engine's own OpenAI base URL, ending in /v1
+    model: str  # the served base model name
+
+    @property
+    def data_dir(self) -> Path:
+        return self.gateway.settings.data_dir
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) -> Iterator[VLLMServer]:
+    """One vLLM per test session (start-up takes ~40 s), behind a gateway with `KAIZEN_ENGINE=vllm`."""
+    data = tmp_path_factory.mktemp("vllm-gateway")
+    (data / "models").symlink_to(MODELS_DIR)
+    port = free_port()
+    settings = Settings.load(
+        data_dir=data,
+        database_url=f"sqlite:///{data / 'kaizen.db'}",
+        engine="vllm",
+        vllm_port=port,
+        port=0,
+        capture_flush_ms=5.0,
+        policy_refresh_s=0.5,
+        adapter_idle_unload_s=0.0,
+        scheduler=False,
+    )
+    gateway = GatewayServer(settings, startup_timeout_s=900).start()
+    yield VLLMServer(gateway, f"http://127.0.0.1:{port}/v1", "smollm2-135m-instruct")
+    gateway.stop()

@@ -9,6 +9,7 @@ from litestar.di import NamedDependency
 from litestar.response import Stream
 
 from gateway.chat import ChatService
+from gateway.errors import APIError
 
 
 class ChatController(Controller):
@@ -20,8 +21,13 @@ class ChatController(Controller):
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers)
         headers = {"x-request-id": ctx.call_id, "x-episode-id": ctx.episode_id}
-        if ctx.request.stream:
-            relay = await chat.stream(ctx)
-            headers["cache-control"] = "no-cache"
-            return Stream(relay, media_type="text/event-stream", headers=headers)
-        return Response(await chat.complete(ctx), media_type="application/json", headers=headers)
+        try:
+            if ctx.request.stream:
+                relay = await chat.stream(ctx)
+                return Stream(
+                    relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
+                )
+            return Response(await chat.complete(ctx), media_type="application/json", headers=headers)
+        except APIError as exc:  # the call was recorded: its error answer carries its ids too
+            exc.headers.update(headers)
+            raise

@@ -89,10 +89,12 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, upstream: ScriptedUpstream
     settings = Settings.load(
         data_dir=data,
         database_url=f"sqlite:///{data / 'k.db'}",
+        engine="upstream",
         upstream_url=upstream.url,
         port=0,
         max_body_bytes=64 * 1024,
         capture_flush_ms=5.0,
+        scheduler=False,
     )
     server = GatewayServer(settings).start()
     yield server

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
-from tests.support.scripted_upstream import text_token_ids
+from tests.support.scripted_upstream import ScriptedUpstream, text_token_ids
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -39,11 +39,21 @@ def calls(gw: GatewayServer, url: str) -> list[dict[str, object]]:
     return rows
 
 
-def test_non_stream_is_conformant_and_captured(make_gateway: MakeGateway, database_url: str) -> None:
+def test_non_stream_is_conformant_and_captured(
+    make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream
+) -> None:
     gw = make_gateway(database_url)
+    before = len(upstream.requests)
     raw = client(gw).chat.completions.with_raw_response.create(
-        model="scripted-1", messages=[{"role": "user", "content": "hello there"}], temperature=0.5, seed=7
+        model="scripted-1",
+        messages=[{"role": "user", "content": "hello there"}],
+        temperature=0.5,
+        seed=7,
+        extra_body={"top_k": 5, "repetition_penalty": 1.1},
     )
+    sent = upstream.requests[before].body
+    assert (sent["top_k"], sent["repetition_penalty"]) == (5, 1.1)  # unknown fields reach the engine
+    assert sent["logprobs"] is True and sent["return_token_ids"] is True  # asked for on every call
     completion = raw.parse()
     assert completion.choices[0].message.content == "echo: hello there"
     assert completion.choices[0].logprobs is None  # asked for by the gateway, not by the client
@@ -233,6 +243,7 @@ def test_upstream_failures_are_openai_shaped(make_gateway: MakeGateway, database
             json={"model": "scripted-1", "messages": [{"role": "user", "content": directive}]},
         )
         assert response.status_code == status, directive
+        assert response.headers["x-request-id"] and response.headers["x-episode-id"]
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
         assert isinstance(response.json()["error"]["code"], str)
     rows = calls(gw, database_url)

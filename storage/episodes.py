@@ -1,0 +1,224 @@
+"""Repository functions for episodes as trajectories: read them whole, edit their metadata, find groups.
+
+Everything returned is a plain dataclass; ORM rows never leave this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from storage.models import Call, Episode, Reward
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One call of an episode: the assistant's reply (first choice) and what it cost."""
+
+    call_id: str
+    position: int
+    model: str
+    status: str
+    message: dict[str, Any] | None
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """An episode as a judge or a reward function sees it: the whole conversation, in order.
+
+    `messages` is the last call's request messages plus its reply, so it holds every assistant turn of a
+    chat loop. Trajectories Kaizen generates itself (training, evaluation) are built directly.
+    """
+
+    episode_id: str
+    messages: list[dict[str, Any]]
+    policy: str | None = None
+    group_key: str | None = None
+    context_hash: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tags: list[Any] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float | None = None
+    reward_provenance: dict[str, Any] | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form handed to reward functions and scoring webhooks."""
+        return {
+            "episode_id": self.episode_id,
+            "policy": self.policy,
+            "group_key": self.group_key,
+            "metadata": self.metadata,
+            "tags": self.tags,
+            "messages": self.messages,
+        }
+
+
+def _reply(response: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str | None]:
+    choices = (response or {}).get("choices") or []
+    if not choices:
+        return None, None
+    first = choices[0]
+    message = {k: v for k, v in (first.get("message") or {}).items() if v is not None}
+    return message, first.get("finish_reason")
+
+
+async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dict[str, Trajectory]:
+    """The stored trajectories of these episodes (missing ids are absent from the result)."""
+    if not episode_ids:
+        return {}
+    episodes = (await session.execute(select(Episode).where(Episode.id.in_(episode_ids)))).scalars().all()
+    calls = (
+        await session.execute(
+            select(
+                Call.id,
+                Call.episode_id,
+                Call.position,
+                Call.model,
+                Call.status,
+                Call.request,
+                Call.response,
+                Call.usage,
+                Call.context_hash,
+                Call.created_at,
+            )
+            .where(Call.episode_id.in_(episode_ids))
+            .order_by(Call.episode_id, Call.position)
+        )
+    ).all()
+    by_episode: dict[str, list[Any]] = {}
+    for row in calls:
+        by_episode.setdefault(row.episode_id, []).append(row)
+    result: dict[str, Trajectory] = {}
+    for episode in episodes:
+        rows = by_episode.get(episode.id, [])
+        turns = []
+        for row in rows:
+            message, finish = _reply(row.response)
+            turns.append(
+                Turn(row.id, row.position, row.model, row.status, message, finish, row.usage, row.created_at)
+            )
+        messages: list[dict[str, Any]] = []
+        answered = [
+            (row, turn.message) for row, turn in zip(rows, turns, strict=True) if turn.message is not None
+        ]
+        if answered:
+            last_row, last_reply = answered[-1]
+            messages = [*last_row.request.get("messages", []), last_reply]
+        elif rows:
+            messages = list(rows[-1].request.get("messages", []))
+        result[episode.id] = Trajectory(
+            episode_id=episode.id,
+            messages=messages,
+            policy=episode.policy,
+            group_key=episode.group_key,
+            context_hash=rows[0].context_hash if rows else None,
+            metadata=dict(episode.meta or {}),
+            tags=list(episode.tags or []),
+            turns=turns,
+            reward=episode.reward,
+            reward_provenance=episode.reward_provenance,
+            created_at=episode.created_at,
+            updated_at=episode.updated_at,
+        )
+    return result
+
+
+async def get_trajectory(session: AsyncSession, episode_id: str) -> Trajectory | None:
+    return (await get_trajectories(session, [episode_id])).get(episode_id)
+
+
+async def episode_policy(session: AsyncSession, episode_id: str) -> tuple[bool, str | None]:
+    """(exists, policy) of an episode."""
+    row = (await session.execute(select(Episode.policy).where(Episode.id == episode_id))).first()
+    return (False, None) if row is None else (True, row.policy)
+
+
+async def call_target(session: AsyncSession, call_id: str) -> tuple[str, str | None] | None:
+    """(episode id, policy) of a stored call, or None when it is not written (yet)."""
+    row = (await session.execute(select(Call.episode_id, Call.policy).where(Call.id == call_id))).first()
+    return None if row is None else (row.episode_id, row.policy)
+
+
+async def episode_policies(session: AsyncSession, episode_ids: list[str]) -> dict[str, str | None]:
+    rows = await session.execute(select(Episode.id, Episode.policy).where(Episode.id.in_(episode_ids)))
+    return {episode_id: policy for episode_id, policy in rows}
+
+
+async def update_episode(
+    session: AsyncSession,
+    episode_id: str,
+    *,
+    metadata: dict[str, Any] | None = None,
+    tags: list[Any] | None = None,
+) -> bool:
+    """Replace an episode's metadata and/or tags (fields left None are kept); False when it does not exist."""
+    values: dict[str, Any] = {"updated_at": datetime.now(UTC)}
+    if metadata is not None:
+        values["meta"] = metadata
+    if tags is not None:
+        values["tags"] = tags
+    result = await session.execute(update(Episode).where(Episode.id == episode_id).values(**values))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+async def set_episode_reward(
+    session: AsyncSession, episode_id: str, reward: float | None, provenance: dict[str, Any] | None
+) -> None:
+    await session.execute(
+        update(Episode)
+        .where(Episode.id == episode_id)
+        .values(reward=reward, reward_provenance=provenance, updated_at=datetime.now(UTC))
+    )
+
+
+@dataclass(frozen=True)
+class GroupCandidate:
+    """An episode that could be scored, with what groups it: its `group_key`, else its first context hash."""
+
+    episode_id: str
+    group: str
+    scored: bool
+    created_at: datetime
+
+
+async def scoring_candidates(
+    session: AsyncSession, policy: str, *, source: str, since: datetime | None = None
+) -> list[GroupCandidate]:
+    """Episodes of a policy (oldest first) with their grouping key and whether `source` scored them already."""
+    first_call = (
+        select(Call.episode_id, Call.context_hash).where(Call.position == 0, Call.status == "ok").subquery()
+    )
+    scored = select(Reward.episode_id).where(Reward.source == source, Reward.episode_id.is_not(None))
+    query = (
+        select(
+            Episode.id,
+            Episode.group_key,
+            first_call.c.context_hash,
+            Episode.created_at,
+            Episode.id.in_(scored).label("scored"),
+        )
+        .join(first_call, first_call.c.episode_id == Episode.id)
+        .where(Episode.policy == policy)
+        .order_by(Episode.created_at, Episode.id)
+    )
+    if since is not None:
+        query = query.where(Episode.created_at >= since)
+    rows = await session.execute(query)
+    return [
+        GroupCandidate(
+            row.id,
+            f"key:{row.group_key}" if row.group_key else f"prompt:{row.context_hash}",
+            bool(row.scored),
+            row.created_at,
+        )
+        for row in rows
+    ]

@@ -1,0 +1,181 @@
+"""Repository functions for policies and their adapter versions. Returns plain dataclasses, never ORM objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from storage.models import Adapter, Policy
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    id: int
+    name: str
+    base_model: str
+    active_version: int | None
+    config: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    policy_id: int
+    version: int
+    status: str
+    path: str
+    parent_version: int | None
+    pinned: bool
+    metrics: dict[str, Any]
+    created_at: datetime
+
+
+def _policy(row: Policy) -> PolicyInfo:
+    return PolicyInfo(row.id, row.name, row.base_model, row.active_version, dict(row.config), row.created_at)
+
+
+def _adapter(row: Adapter) -> AdapterInfo:
+    return AdapterInfo(
+        row.policy_id,
+        row.version,
+        row.status,
+        row.path,
+        row.parent_version,
+        row.pinned,
+        dict(row.metrics),
+        row.created_at,
+    )
+
+
+def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
+    """Where version `version` of `policy` lives in the adapter store (the data directory, shared by replicas)."""
+    return data_dir / "adapters" / policy / str(version)
+
+
+class PolicyExists(ValueError):
+    pass
+
+
+async def create_policy(
+    session: AsyncSession, name: str, base_model: str, config: dict[str, Any] | None = None
+) -> PolicyInfo:
+    """Insert a policy (without versions yet); raises `PolicyExists` if the name is taken."""
+    if await get_policy(session, name) is not None:
+        raise PolicyExists(f"policy {name!r} already exists")
+    row = Policy(name=name, base_model=base_model, config=config or {})
+    session.add(row)
+    await session.flush()
+    return _policy(row)
+
+
+async def get_policy(session: AsyncSession, name: str) -> PolicyInfo | None:
+    row = (await session.execute(select(Policy).where(Policy.name == name))).scalar_one_or_none()
+    return _policy(row) if row is not None else None
+
+
+async def list_policies(session: AsyncSession) -> list[PolicyInfo]:
+    rows = (await session.execute(select(Policy).order_by(Policy.name))).scalars().all()
+    return [_policy(r) for r in rows]
+
+
+async def update_policy_config(session: AsyncSession, policy_id: int, config: dict[str, Any]) -> None:
+    await session.execute(update(Policy).where(Policy.id == policy_id).values(config=config))
+
+
+async def add_adapter(
+    session: AsyncSession,
+    policy_id: int,
+    version: int,
+    path: str,
+    *,
+    status: str = "candidate",
+    parent_version: int | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> AdapterInfo:
+    row = Adapter(
+        policy_id=policy_id,
+        version=version,
+        path=path,
+        status=status,
+        parent_version=parent_version,
+        metrics=metrics or {},
+    )
+    session.add(row)
+    await session.flush()
+    return _adapter(row)
+
+
+async def next_version(session: AsyncSession, policy_id: int) -> int:
+    latest = await session.scalar(select(func.max(Adapter.version)).where(Adapter.policy_id == policy_id))
+    return 0 if latest is None else int(latest) + 1
+
+
+async def get_adapter(session: AsyncSession, policy_id: int, version: int) -> AdapterInfo | None:
+    row = (
+        await session.execute(
+            select(Adapter).where(Adapter.policy_id == policy_id, Adapter.version == version)
+        )
+    ).scalar_one_or_none()
+    return _adapter(row) if row is not None else None
+
+
+async def list_adapters(session: AsyncSession, policy_id: int) -> list[AdapterInfo]:
+    rows = (
+        (
+            await session.execute(
+                select(Adapter).where(Adapter.policy_id == policy_id).order_by(Adapter.version)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    return [_adapter(r) for r in rows]
+
+
+async def activate_version(session: AsyncSession, policy_id: int, version: int) -> None:
+    """Make `version` the one `model="<policy>"` resolves to; the previous active one becomes `retired`."""
+    await session.execute(
+        update(Adapter)
+        .where(Adapter.policy_id == policy_id, Adapter.status == "active", Adapter.version != version)
+        .values(status="retired")
+    )
+    await session.execute(
+        update(Adapter)
+        .where(Adapter.policy_id == policy_id, Adapter.version == version)
+        .values(status="active")
+    )
+    await session.execute(update(Policy).where(Policy.id == policy_id).values(active_version=version))
+
+
+async def promote(session: AsyncSession, policy_name: str, version: int) -> PolicyInfo:
+    """Make an existing version active. A row update: every gateway notices it on its next policy refresh."""
+    policy = await get_policy(session, policy_name)
+    if policy is None:
+        raise LookupError(f"no policy named {policy_name!r}")
+    if await get_adapter(session, policy.id, version) is None:
+        raise LookupError(f"policy {policy_name!r} has no version {version}")
+    await activate_version(session, policy.id, version)
+    await session.commit()
+    promoted = await get_policy(session, policy_name)
+    assert promoted is not None
+    return promoted
+
+
+async def rollback(session: AsyncSession, policy_name: str) -> PolicyInfo:
+    """Re-activate the version that was active before the current one (the newest retired version below it)."""
+    policy = await get_policy(session, policy_name)
+    if policy is None:
+        raise LookupError(f"no policy named {policy_name!r}")
+    retired = [
+        a.version
+        for a in await list_adapters(session, policy.id)
+        if a.status == "retired" and (policy.active_version is None or a.version < policy.active_version)
+    ]
+    if not retired:
+        raise LookupError(f"policy {policy_name!r} has no earlier version to roll back to")
+    return await promote(session, policy_name, max(retired))

@@ -1,0 +1,79 @@
+"""Retention: prune captured calls older than a cut-off and adapter versions nobody can be served any more.
+
+A version is kept when it is active, pinned, among the newest `keep` versions, or the one a rollback would
+re-activate; everything else of the policy is deleted (rows here; the caller removes the directories).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import delete, exists, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from storage.models import Adapter, Call, Episode, Reward, StitchKey
+from storage.policies import AdapterInfo, list_adapters
+
+_CHUNK = 500
+
+
+def _chunks(ids: Sequence[str]) -> list[Sequence[str]]:
+    return [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
+
+
+async def prune_calls(session: AsyncSession, policy: str, before: datetime) -> tuple[int, int]:
+    """Delete the policy's calls created before `before`, then its episodes left without calls.
+
+    Rewards of what is deleted go with it. Returns (calls, episodes) deleted; the caller commits.
+    """
+    call_ids = list(
+        (await session.scalars(select(Call.id).where(Call.policy == policy, Call.created_at < before))).all()
+    )
+    for chunk in _chunks(call_ids):
+        await session.execute(delete(Reward).where(Reward.call_id.in_(chunk)))
+        await session.execute(delete(Call).where(Call.id.in_(chunk)))
+    episode_ids = list(
+        (
+            await session.scalars(
+                select(Episode.id).where(
+                    Episode.policy == policy,
+                    Episode.created_at < before,
+                    ~exists().where(Call.episode_id == Episode.id),
+                )
+            )
+        ).all()
+    )
+    for chunk in _chunks(episode_ids):
+        await session.execute(delete(Reward).where(Reward.episode_id.in_(chunk)))
+        await session.execute(delete(StitchKey).where(StitchKey.episode_id.in_(chunk)))
+        await session.execute(delete(Episode).where(Episode.id.in_(chunk)))
+    return len(call_ids), len(episode_ids)
+
+
+def versions_to_keep(adapters: Sequence[AdapterInfo], active: int | None, keep: int) -> set[int]:
+    """Active, pinned, the newest `keep`, and the rollback target (newest retired below the active one)."""
+    kept = {a.version for a in adapters if a.pinned or a.status == "active"}
+    if active is not None:
+        kept.add(active)
+        earlier = [a.version for a in adapters if a.status == "retired" and a.version < active]
+        if earlier:
+            kept.add(max(earlier))
+    kept.update(sorted(a.version for a in adapters)[-keep:] if keep > 0 else [])
+    return kept
+
+
+async def prune_adapters(
+    session: AsyncSession, policy_id: int, active: int | None, keep: int
+) -> list[AdapterInfo]:
+    """Delete the rows of versions not worth keeping; returns them so their directories can go too."""
+    adapters = await list_adapters(session, policy_id)
+    kept = versions_to_keep(adapters, active, keep)
+    doomed = [a for a in adapters if a.version not in kept]
+    if doomed:
+        await session.execute(
+            delete(Adapter).where(
+                Adapter.policy_id == policy_id, Adapter.version.in_([a.version for a in doomed])
+            )
+        )
+    return doomed

@@ -1,0 +1,240 @@
+"""Repository functions the trainer needs: rewarded episodes with their calls, training runs and the per-policy lock.
+
+Returns plain dataclasses so the trainer never holds ORM objects across its long, database-free training phase.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from storage.models import Call, Episode, Reward, TrainingLock, TrainingRun
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    """An episode of a policy with its training reward and how many reward signals back it."""
+
+    id: str
+    group_key: str | None
+    meta: dict[str, Any]
+    tags: list[Any]
+    #: The episode's derived reward when set, else the mean of its (and its calls') reward rows.
+    reward: float
+    reward_count: int
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class CallRow:
+    """What the trainer reads of one call: the conversation and the tokens the engine sampled."""
+
+    id: str
+    episode_id: str
+    position: int
+    status: str
+    request: dict[str, Any]
+    response: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[list[int] | None] | None
+    completion_logprobs: list[list[float] | None] | None
+    context_hash: str | None
+    group_key: str | None
+    adapter_version: int | None
+
+
+async def rewarded_episodes(
+    session: AsyncSession, policy: str, *, since: datetime | None, until: datetime
+) -> list[EpisodeRow]:
+    """Episodes of `policy` created in (since, until] that carry a reward, oldest first.
+
+    A reward row counts for an episode when it names the episode or one of its calls. The episode's own
+    `reward` column (derived by the policy's rule) wins over the plain mean of its reward rows.
+    """
+    owner = func.coalesce(Reward.episode_id, Call.episode_id)
+    counts = (
+        select(owner.label("episode_id"), func.avg(Reward.value).label("mean"), func.count().label("n"))
+        .select_from(Reward)
+        .outerjoin(Call, Reward.call_id == Call.id)
+        .group_by(owner)
+        .subquery()
+    )
+    stmt = (
+        select(Episode, counts.c.mean, counts.c.n)
+        .outerjoin(counts, counts.c.episode_id == Episode.id)
+        .where(Episode.policy == policy, Episode.created_at <= until)
+        .where((Episode.reward.is_not(None)) | (counts.c.n > 0))
+        .order_by(Episode.created_at, Episode.id)
+    )
+    if since is not None:
+        stmt = stmt.where(Episode.created_at > since)
+    rows = await session.execute(stmt)
+    out = []
+    for episode, mean, n in rows:
+        reward = episode.reward if episode.reward is not None else float(mean)
+        out.append(
+            EpisodeRow(
+                id=episode.id,
+                group_key=episode.group_key,
+                meta=dict(episode.meta or {}),
+                tags=list(episode.tags or []),
+                reward=float(reward),
+                reward_count=int(n or 0),
+                created_at=episode.created_at,
+            )
+        )
+    return out
+
+
+async def episode_calls(session: AsyncSession, episode_ids: Sequence[str]) -> dict[str, list[CallRow]]:
+    """The calls of each episode in position order (chunked so huge selections stay under bind limits)."""
+    out: dict[str, list[CallRow]] = defaultdict(list)
+    ids = list(episode_ids)
+    for start in range(0, len(ids), 500):
+        rows = await session.execute(
+            select(Call)
+            .where(Call.episode_id.in_(ids[start : start + 500]))
+            .order_by(Call.episode_id, Call.position)
+        )
+        for call in rows.scalars():
+            out[call.episode_id].append(
+                CallRow(
+                    id=call.id,
+                    episode_id=call.episode_id,
+                    position=call.position,
+                    status=call.status,
+                    request=dict(call.request),
+                    response=call.response,
+                    prompt_token_ids=call.prompt_token_ids,
+                    completion_token_ids=call.completion_token_ids,
+                    completion_logprobs=call.completion_logprobs,
+                    context_hash=call.context_hash,
+                    group_key=call.group_key,
+                    adapter_version=call.adapter_version,
+                )
+            )
+    return dict(out)
+
+
+async def last_data_cutoff(session: AsyncSession, policy_id: int) -> datetime | None:
+    """Where the previous successful training run's data window ended (its start if it recorded none)."""
+    run = (
+        await session.execute(
+            select(TrainingRun)
+            .where(
+                TrainingRun.policy_id == policy_id,
+                TrainingRun.kind == "train",
+                TrainingRun.status == "succeeded",
+            )
+            .order_by(TrainingRun.started_at.desc())
+            .limit(1)
+        )
+    ).scalar_one_or_none()
+    if run is None:
+        return None
+    until = (run.config or {}).get("data_until")
+    return datetime.fromisoformat(until) if isinstance(until, str) else run.started_at
+
+
+async def start_run(
+    session: AsyncSession, policy_id: int, from_version: int | None, config: dict[str, Any]
+) -> int:
+    """Insert a `running` training run and return its id."""
+    row = TrainingRun(
+        policy_id=policy_id, kind="train", status="running", from_version=from_version, config=config
+    )
+    session.add(row)
+    await session.flush()
+    return row.id
+
+
+async def finish_run(
+    session: AsyncSession,
+    run_id: int,
+    *,
+    status: str,
+    metrics: dict[str, Any],
+    to_version: int | None = None,
+    error: str | None = None,
+    config_update: dict[str, Any] | None = None,
+) -> None:
+    """Record a run's outcome; `config_update` merges into its config (e.g. the data window it used)."""
+    values: dict[str, Any] = {
+        "status": status,
+        "metrics": metrics,
+        "to_version": to_version,
+        "error": error,
+        "finished_at": datetime.now(UTC),
+    }
+    if config_update:
+        config = await session.scalar(select(TrainingRun.config).where(TrainingRun.id == run_id))
+        values["config"] = {**(config or {}), **config_update}
+    await session.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(**values))
+
+
+def _rowcount(result: Any) -> int:
+    """Rows an INSERT/UPDATE touched (the generic `Result` type hides `CursorResult.rowcount`)."""
+    return int(result.rowcount)
+
+
+def _insert(session: AsyncSession) -> Any:
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(TrainingLock)
+    return sqlite.insert(TrainingLock)
+
+
+async def acquire_lock(session: AsyncSession, policy_id: int, owner: str, ttl_s: float) -> bool:
+    """Take the policy's training lock, or an expired one; False when a live job holds it. Commits."""
+    now = datetime.now(UTC)
+    expires = now + timedelta(seconds=ttl_s)
+    inserted = await session.execute(
+        _insert(session)
+        .values(policy_id=policy_id, owner=owner, acquired_at=now, expires_at=expires)
+        .on_conflict_do_nothing()
+    )
+    taken = _rowcount(inserted) == 1
+    if not taken:
+        # A job that stopped renewing its lock (crash, kill -9) is presumed dead.
+        stale = await session.execute(
+            update(TrainingLock)
+            .where(TrainingLock.policy_id == policy_id, TrainingLock.expires_at < now)
+            .values(owner=owner, run_id=None, acquired_at=now, expires_at=expires)
+        )
+        taken = _rowcount(stale) == 1
+        if taken:
+            logger.warning("took over the expired training lock of policy %d", policy_id)
+    await session.commit()
+    return taken
+
+
+async def renew_lock(
+    session: AsyncSession, policy_id: int, owner: str, ttl_s: float, run_id: int | None = None
+) -> bool:
+    """Push the lock's expiry forward (the heartbeat); False if this owner no longer holds it. Commits."""
+    values: dict[str, Any] = {"expires_at": datetime.now(UTC) + timedelta(seconds=ttl_s)}
+    if run_id is not None:
+        values["run_id"] = run_id
+    result = await session.execute(
+        update(TrainingLock)
+        .where(TrainingLock.policy_id == policy_id, TrainingLock.owner == owner)
+        .values(**values)
+    )
+    await session.commit()
+    return _rowcount(result) == 1
+
+
+async def release_lock(session: AsyncSession, policy_id: int, owner: str) -> None:
+    await session.execute(
+        delete(TrainingLock).where(TrainingLock.policy_id == policy_id, TrainingLock.owner == owner)
+    )
+    await session.commit()

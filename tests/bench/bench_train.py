@@ -1,0 +1,298 @@
+"""Training-step throughput and peak memory: Kaizen's GRPO update against TRL's ``GRPOTrainer``, same data.
+
+Both sides get the identical pre-generated batch (prompts from the chat template, fixed completions, fixed
+advantages), the same model (the embedded SmolLM2-135M-Instruct), the same LoRA (rank 16, alpha 32, all linear
+layers), micro-batch, gradient accumulation and bf16 autocast, and do the same update: token-level (DAPO)
+clipped policy-gradient loss, backward, AdamW step. TRL generates inside its step, so to compare only the
+update its ``_prepare_inputs`` (generation + scoring) is replaced by the identity and its real
+``training_step`` (autocast, ``compute_loss``, ``accelerator.backward``) runs on the fixed batch. Each side runs
+in its own fresh process (peak RSS is per process), alternating, and the best round per side is reported.
+
+    python -m tests.bench.bench_train [--steps 3] [--rounds 2] [--out tests/bench/results/train.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import platform
+import random
+import resource
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("bench_train")
+
+GROUPS = 4
+GENERATIONS = 4
+MICRO_BATCH = 8
+GRAD_ACCUMULATION = 2  # GROUPS * GENERATIONS = MICRO_BATCH * GRAD_ACCUMULATION sequences per optimizer step
+COMPLETION_LENGTHS = (48, 160)
+PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give three tips for writing clear emails.",
+]
+
+
+def make_data(model_dir: str, seed: int) -> list[dict[str, Any]]:
+    """One optimizer step of data: prompt ids, completion ids (ending in end-of-turn) and an advantage each."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    rows = []
+    for prompt in PROMPTS[:GROUPS]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        rewards = [rng.random() for _ in range(GENERATIONS)]
+        mean = sum(rewards) / len(rewards)
+        for reward in rewards:
+            length = rng.randint(*COMPLETION_LENGTHS)
+            completion = [rng.randrange(100, 40000) for _ in range(length - 1)] + [tokenizer.eos_token_id]
+            rows.append({"prompt": list(ids), "completion": completion, "advantage": reward - mean})
+    return rows
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_kaizen(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int) -> dict[str, float]:
+    import torch
+
+    from trainer.batch import TokenizedSample
+    from trainer.config import TrainConfig
+    from trainer.grpo import run_update
+    from trainer.model import load_policy
+
+    torch.set_num_threads(threads)
+    cfg = TrainConfig(
+        micro_batch_size=MICRO_BATCH,
+        grad_accumulation=GRAD_ACCUMULATION,
+        learning_rate=1e-5,
+        collapse_check_every=0,
+    )
+    device = torch.device("cpu")
+    model, tokenizer = load_policy(model_dir, None, cfg, device)
+    samples = [
+        TokenizedSample(
+            r["prompt"] + r["completion"],
+            [False] * len(r["prompt"]) + [True] * len(r["completion"]),
+            [None] * (len(r["prompt"]) + len(r["completion"])),
+            r["advantage"],
+        )
+        for r in rows
+    ]
+    run_update(model, samples, cfg, pad_id=int(tokenizer.pad_token_id), device=device)  # warm-up step
+    elapsed = 0.0
+    tokens = 0
+    for _ in range(steps):
+        result = run_update(model, samples, cfg, pad_id=int(tokenizer.pad_token_id), device=device)
+        elapsed += result.metrics["update_s"]
+        tokens += int(result.metrics["tokens"])
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def run_trl(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int) -> dict[str, float]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg_defaults = __import__("trainer.config", fromlist=["TrainConfig"]).TrainConfig()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=MICRO_BATCH,
+            gradient_accumulation_steps=GRAD_ACCUMULATION,
+            num_generations=GENERATIONS,
+            max_completion_length=COMPLETION_LENGTHS[1],
+            loss_type="dapo",
+            beta=0.0,
+            learning_rate=1e-5,
+            bf16=True,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS[:GROUPS] * GENERATIONS}),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(
+                r=cfg_defaults.lora_rank,
+                lora_alpha=cfg_defaults.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=cfg_defaults.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+        trainer._prepare_inputs = lambda batch: batch  # fixed completions: no generation, no scoring
+        trainer.current_gradient_accumulation_steps = GRAD_ACCUMULATION  # set by Trainer.train() otherwise
+        trainer.create_optimizer()
+        model = trainer.model
+        model.train()
+        pad = int(tokenizer.pad_token_id)
+        micro = [rows[i : i + MICRO_BATCH] for i in range(0, len(rows), MICRO_BATCH)]
+        total_completion = sum(len(r["completion"]) for r in rows)
+        inputs = []
+        for chunk in micro:
+            pw = max(len(r["prompt"]) for r in chunk)
+            cw = max(len(r["completion"]) for r in chunk)
+            inputs.append(
+                {
+                    "prompt_ids": torch.tensor(
+                        [[pad] * (pw - len(r["prompt"])) + r["prompt"] for r in chunk]
+                    ),
+                    "prompt_mask": torch.tensor(
+                        [[0] * (pw - len(r["prompt"])) + [1] * len(r["prompt"]) for r in chunk]
+                    ),
+                    "completion_ids": torch.tensor(
+                        [r["completion"] + [pad] * (cw - len(r["completion"])) for r in chunk]
+                    ),
+                    "completion_mask": torch.tensor(
+                        [[1] * len(r["completion"]) + [0] * (cw - len(r["completion"])) for r in chunk]
+                    ),
+                    "advantages": torch.tensor([r["advantage"] for r in chunk]),
+                    "num_items_in_batch": torch.tensor(float(total_completion)),
+                }
+            )
+        tokens_per_step = sum(len(r["prompt"]) + len(r["completion"]) for r in rows)
+
+        def step() -> None:
+            for batch in inputs:
+                trainer.training_step(model, batch, None)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+
+        step()  # warm-up
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - started
+    tokens = tokens_per_step * steps
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def _child(
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, queue: Any
+) -> None:
+    logging.disable(logging.WARNING)
+    runner = run_kaizen if side == "kaizen" else run_trl
+    try:
+        queue.put(runner(model_dir, rows, steps, threads))
+    except BaseException:
+        queue.put({"error": traceback.format_exc()})
+        raise
+
+
+def measure(
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int
+) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_child, args=(side, model_dir, rows, steps, threads, queue))
+    process.start()
+    result: dict[str, Any] = queue.get()
+    process.join()
+    if "error" in result:
+        raise RuntimeError(f"{side} run failed:\n{result['error']}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, default=Path("kaizen-data/models/smollm2-135m-instruct"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("tests/bench/results/train.json"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if not args.model_dir.is_dir():
+        from gateway.base_models import pull_base_model
+
+        args.model_dir = pull_base_model("smollm2-135m-instruct", args.model_dir.parent)
+    rows = make_data(str(args.model_dir), seed=0)
+    runs: dict[str, list[dict[str, float]]] = {"kaizen": [], "trl": []}
+    for round_index in range(args.rounds):
+        for side in ("kaizen", "trl"):
+            result = measure(side, str(args.model_dir), rows, args.steps, args.threads)
+            runs[side].append(result)
+            logger.info(
+                "round %d %-6s %7.1f tokens/s  peak RSS %6.0f MiB",
+                round_index,
+                side,
+                result["tokens_per_s"],
+                result["peak_rss_mib"],
+            )
+    best = {side: max(results, key=lambda r: r["tokens_per_s"]) for side, results in runs.items()}
+    summary = {
+        "method": (
+            "identical fixed batch per optimizer step; TRL GRPOTrainer.training_step with _prepare_inputs replaced "
+            "by the identity (no generation or scoring), Kaizen trainer.grpo.run_update; both: LoRA r16/alpha32 on "
+            "all linear layers, bf16 autocast, token-level (DAPO) loss, AdamW; fresh process per run, best round"
+        ),
+        "model": str(args.model_dir.name),
+        "sequences_per_step": len(rows),
+        "micro_batch": MICRO_BATCH,
+        "grad_accumulation": GRAD_ACCUMULATION,
+        "tokens_per_step": sum(len(r["prompt"]) + len(r["completion"]) for r in rows),
+        "steps": args.steps,
+        "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(),
+        "runs": runs,
+        "kaizen_tokens_per_s": best["kaizen"]["tokens_per_s"],
+        "trl_tokens_per_s": best["trl"]["tokens_per_s"],
+        "speedup": best["kaizen"]["tokens_per_s"] / best["trl"]["tokens_per_s"],
+        "kaizen_peak_rss_mib": best["kaizen"]["peak_rss_mib"],
+        "trl_peak_rss_mib": best["trl"]["peak_rss_mib"],
+        "memory_ratio": best["kaizen"]["peak_rss_mib"] / best["trl"]["peak_rss_mib"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    table = [
+        "| | Kaizen | TRL GRPOTrainer | ratio |",
+        "|---|---|---|---|",
+        f"| trained tokens/s | {summary['kaizen_tokens_per_s']:.0f} | {summary['trl_tokens_per_s']:.0f} | {summary['speedup']:.2f}× |",
+        f"| peak RSS (MiB) | {summary['kaizen_peak_rss_mib']:.0f} | {summary['trl_peak_rss_mib']:.0f} | {summary['memory_ratio']:.2f}× |",
+    ]
+    sys.stdout.write("\n".join(table) + "\n" + summary["method"] + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""Closing the loop on the real vLLM engine: promotion and rollback under streaming load with no failed call,
+a crashing training child that changes nothing that serves, and the evaluation gate rejecting a worse
+candidate (and promoting an equal one)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gateway.policies import create_policy_with_initial_adapter
+from storage.database import Database
+from storage.jobs import get_run, start_job_run, update_run
+from storage.policies import (
+    PolicyInfo,
+    adapter_dir,
+    add_adapter,
+    get_adapter,
+    get_policy,
+    promote,
+    rollback,
+    update_policy_config,
+)
+from tests.conftest import VLLMServer, query
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    "Name three colours of the rainbow.",
+    "What colour is the sky on a clear day? Answer in one word.",
+    "What colour are ripe bananas? Answer in one word.",
+]
+
+
+def client(server: VLLMServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.gateway.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def run(server: VLLMServer, coro: Any) -> Any:
+    async def wrapped() -> Any:
+        database = Database(server.gateway.settings.database_url)
+        try:
+            return await coro(database)
+        finally:
+            await database.dispose()
+
+    return asyncio.run(wrapped())
+
+
+def make_policy(server: VLLMServer, name: str, config: dict[str, Any] | None = None) -> PolicyInfo:
+    async def create(database: Database) -> PolicyInfo:
+        return await create_policy_with_initial_adapter(
+            database, server.data_dir, name, server.model, config or {}
+        )
+
+    policy: PolicyInfo = run(server, create)
+    deadline = time.monotonic() + 30
+    while name not in {m.id for m in client(server).models.list().data}:
+        assert time.monotonic() < deadline, f"{name} never appeared in /v1/models"
+        time.sleep(0.2)
+    return policy
+
+
+def add_version(
+    server: VLLMServer, policy: PolicyInfo, version: int, lora_b_scale: float | None = None
+) -> None:
+    """Version `version` as a copy of version 0; with `lora_b_scale`, its lora_B weights become large random
+    values, so the adapter turns every reply into garbage."""
+    source, target = (
+        adapter_dir(server.data_dir, policy.name, 0),
+        adapter_dir(server.data_dir, policy.name, version),
+    )
+    shutil.copytree(source, target)
+    if lora_b_scale is not None:
+        weights = target / "adapter_model.safetensors"
+        tensors = load_file(weights)
+        generator = torch.Generator().manual_seed(7)
+        for key, tensor in tensors.items():
+            if "lora_B" in key:
+                tensors[key] = (torch.randn(tensor.shape, generator=generator) * lora_b_scale).to(
+                    tensor.dtype
+                )
+        save_file(tensors, weights)
+
+    async def register(database: Database) -> None:
+        async with database.session() as session:
+            await add_adapter(session, policy.id, version, str(target.resolve()), parent_version=0)
+            await session.commit()
+
+    run(server, register)
+
+
+def active_version(server: VLLMServer, name: str) -> int | None:
+    async def read(database: Database) -> int | None:
+        async with database.session() as session:
+            policy = await get_policy(session, name)
+        return policy.active_version if policy is not None else None
+
+    return run(server, read)  # type: ignore[no-any-return]
+
+
+def test_promote_and_rollback_under_streaming_load_fail_no_call(vllm_server: VLLMServer) -> None:
+    policy = make_policy(vllm_server, "live")
+    add_version(vllm_server, policy, 1)
+    stop = threading.Event()
+    results: list[tuple[str, str | None, str | None]] = []  # (request id, finish reason, error)
+    lock = threading.Lock()
+
+    def stream_forever(worker: int) -> None:
+        api = client(vllm_server)
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            try:
+                raw = api.chat.completions.with_raw_response.create(
+                    model="live",
+                    messages=[
+                        {"role": "user", "content": f"{PROMPTS[turn % len(PROMPTS)]} ({worker}.{turn})"}
+                    ],
+                    max_tokens=8,
+                    stream=True,
+                )
+                finish = None
+                for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                outcome = (raw.headers["x-request-id"], finish, None)
+            except Exception as exc:  # recorded and asserted on below
+                outcome = ("", None, repr(exc))
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=stream_forever, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2)
+
+        async def switch(database: Database, to: str) -> None:
+            async with database.session() as session:
+                await (promote(session, "live", 1) if to == "promote" else rollback(session, "live"))
+
+        run(vllm_server, lambda db: switch(db, "promote"))
+        time.sleep(4)
+        run(vllm_server, lambda db: switch(db, "rollback"))
+        time.sleep(3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    errors = [error for _, _, error in results if error is not None]
+    assert not errors, errors[:3]
+    assert len(results) >= 12 and all(finish in ("stop", "length") for _, finish, _ in results)
+    vllm_server.gateway.flush()
+    rows = query(
+        vllm_server.gateway.settings.database_url,
+        "SELECT adapter_version, status FROM calls WHERE policy = 'live' ORDER BY created_at",
+    )
+    assert {row["status"] for row in rows} == {"ok"}
+    assert {row["adapter_version"] for row in rows} == {
+        0,
+        1,
+    }  # served by version 1 after the promotion and by 0 again after the rollback
+    versions = [r["adapter_version"] for r in rows]
+    assert versions[-1] == 0 and 0 in versions[versions.index(1) :]
+    assert active_version(vllm_server, "live") == 0
+
+
+def test_a_crashing_training_child_changes_nothing_that_serves(vllm_server: VLLMServer) -> None:
+    make_policy(vllm_server, "crashy")
+
+    async def break_config(database: Database) -> None:
+        async with database.session() as session:
+            policy = await get_policy(session, "crashy")
+            assert policy is not None
+            await update_policy_config(session, policy.id, {"train": {"learning_rate": -1}})
+            await session.commit()
+
+    run(vllm_server, break_config)
+    jobs = vllm_server.gateway.services.jobs
+    outcome = vllm_server.gateway.call(jobs.runner.run("crashy", "train"), timeout_s=120)
+    assert outcome is not None and outcome.kind == "train" and outcome.status == "failed"
+    assert "learning_rate" in (outcome.error or ""), outcome.error
+    assert outcome.metrics["exit_code"] != 0
+    assert active_version(vllm_server, "crashy") == 0
+    reply = client(vllm_server).chat.completions.create(
+        model="crashy", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def rewarded_traffic(server: VLLMServer, name: str) -> None:
+    """Held-out material for the gate: served calls with a reward, newer than the run's data window."""
+    api = client(server)
+    for prompt in PROMPTS:
+        raw = api.chat.completions.with_raw_response.create(
+            model=name, messages=[{"role": "user", "content": prompt}], max_tokens=16
+        )
+        server.gateway.flush()
+        response = httpx.post(
+            server.gateway.url + "/v1/feedback",
+            json={"request_id": raw.headers["x-request-id"], "value": 1.0},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
+
+def finished_run(server: VLLMServer, policy: PolicyInfo, version: int) -> int:
+    """A succeeded train run that wrote `version` and trained on data before any of this test's traffic."""
+
+    async def create(database: Database) -> int:
+        async with database.session() as session:
+            run_id = await start_job_run(
+                session,
+                policy.id,
+                "train",
+                0,
+                {"data_since": None, "data_until": "2000-01-01T00:00:00+00:00"},
+            )
+            await update_run(session, run_id, status="succeeded", to_version=version)
+            await session.commit()
+        return run_id
+
+    return run(server, create)  # type: ignore[no-any-return]
+
+
+# A low temperature keeps the base model on topic, so the active version reliably scores above zero.
+GATE = {"max_groups": 3, "samples": 3, "max_tokens": 24, "temperature": 0.3, "tolerance": 0.0}
+SCORER = {"rewards": {"scorer": {"function": "tests.support.gate_rewards:rainbow"}}}
+
+
+def test_gate_rejects_a_worse_candidate_and_records_why(vllm_server: VLLMServer) -> None:
+    policy = make_policy(vllm_server, "gated", {**SCORER, "gate": GATE})
+    rewarded_traffic(vllm_server, "gated")
+    add_version(vllm_server, policy, 1, lora_b_scale=5.0)
+    run_id = finished_run(vllm_server, policy, 1)
+    jobs = vllm_server.gateway.services.jobs
+    result = vllm_server.gateway.call(jobs.runner.gate("gated", run_id), timeout_s=300)
+    assert result.decision == "reject" and result.groups == 3
+    assert result.candidate_reward is not None and result.active_reward is not None
+    assert result.active_reward > 0 and result.candidate_reward < result.active_reward
+
+    async def stored(database: Database) -> tuple[Any, Any]:
+        async with database.session() as session:
+            return await get_run(session, run_id), await get_adapter(session, policy.id, 1)
+
+    saved, adapter = run(vllm_server, stored)
+    assert saved.status == "rejected" and saved.metrics["gate"]["decision"] == "reject"
+    assert saved.metrics["gate"]["reasons"] and saved.metrics["gate"]["candidate_signals"]["count"] == 9
+    assert adapter.status == "rejected"
+    assert active_version(vllm_server, "gated") == 0
+
+
+def test_gate_promotes_a_candidate_that_is_not_worse(vllm_server: VLLMServer) -> None:
+    policy = make_policy(vllm_server, "equal", {**SCORER, "gate": {**GATE, "temperature": 0.0}})
+    rewarded_traffic(vllm_server, "equal")
+    add_version(vllm_server, policy, 1)  # the same weights: greedy replies are identical
+    run_id = finished_run(vllm_server, policy, 1)
+    jobs = vllm_server.gateway.services.jobs
+    result = vllm_server.gateway.call(jobs.runner.gate("equal", run_id), timeout_s=300)
+    assert result.decision == "promote", result.reasons
+    assert result.candidate_reward == result.active_reward
+    assert active_version(vllm_server, "equal") == 1

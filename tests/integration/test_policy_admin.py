@@ -1,0 +1,72 @@
+"""Promotion and rollback of policy versions: admin API and CLI (serving the switch is in test_vllm_engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from gateway.cli import main
+from storage.database import Database
+from storage.policies import activate_version, add_adapter, create_policy
+from storage.schema import upgrade_database
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+
+MakeGateway = Callable[..., GatewayServer]
+
+
+def seed_policy(url: str, versions: int) -> None:
+    """A policy with versions 0..versions-1 and version 0 active (rows only: the upstream engine loads none)."""
+
+    async def run() -> None:
+        from gateway.settings import async_database_url
+
+        await upgrade_database(async_database_url(url))
+        database = Database(async_database_url(url))
+        async with database.session() as session:
+            policy = await create_policy(session, "bot", "base")
+            for version in range(versions):
+                await add_adapter(session, policy.id, version, f"/adapters/bot/{version}")
+            await activate_version(session, policy.id, 0)
+            await session.commit()
+        await database.dispose()
+
+    asyncio.run(run())
+
+
+def active(url: str) -> list[tuple[int, str]]:
+    rows = query(url, "SELECT a.version, a.status FROM adapters a ORDER BY a.version")
+    return [(r["version"], r["status"]) for r in rows]
+
+
+def test_promote_and_rollback_over_the_admin_api(make_gateway: MakeGateway, database_url: str) -> None:
+    seed_policy(database_url, 3)
+    gw = make_gateway(database_url, admin_key="adm")
+    admin = {"authorization": "Bearer adm"}
+    assert httpx.post(gw.url + "/admin/policies/bot/promote", json={"version": 2}).status_code == 401
+    promoted = httpx.post(gw.url + "/admin/policies/bot/promote", json={"version": 2}, headers=admin)
+    assert promoted.status_code == 200
+    assert promoted.json()["active_version"] == 2
+    assert active(database_url) == [(0, "retired"), (1, "candidate"), (2, "active")]
+    back = httpx.post(gw.url + "/admin/policies/bot/rollback", headers=admin)
+    assert back.json()["active_version"] == 0
+    missing = httpx.post(gw.url + "/admin/policies/bot/promote", json={"version": 9}, headers=admin)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "version_not_found"
+    listed = httpx.get(gw.url + "/admin/policies", headers=admin).json()
+    assert [(p["name"], [v["version"] for v in p["versions"]]) for p in listed] == [("bot", [0, 1, 2])]
+
+
+def test_promote_and_rollback_from_the_cli(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    seed_policy(url, 2)
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    assert main(["policy", "promote", "bot", "1", *flags]) == 0
+    assert active(url) == [(0, "retired"), (1, "active")]
+    assert main(["policy", "rollback", "bot", *flags]) == 0
+    assert active(url)[0] == (0, "active")
+    assert main(["policy", "rollback", "bot", *flags]) == 2  # nothing earlier than version 0
+    assert main(["policy", "promote", "nobody", "1", *flags]) == 2

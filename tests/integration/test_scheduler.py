@@ -1,0 +1,307 @@
+"""The scheduler on SQLite and PostgreSQL: one job per policy across OS processes, one coalesced catch-up
+run after downtime, and retention that never touches the active, pinned or rollback versions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import update
+
+from gateway.settings import Settings, async_database_url
+from storage.database import Database
+from storage.jobs import acquire_job_lock, list_runs, release_job_lock, renew_job_lock
+from storage.models import Adapter, Call, Episode, TrainingRun
+from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
+from storage.schema import upgrade_database
+from tests.conftest import query
+from trainer.ruler import JudgeSettings
+from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def runner(database: Database, data_dir: Path) -> JobRunner:
+    config = RunnerConfig(
+        data_dir=data_dir,
+        judge=JudgeSettings(model=""),
+        train_command=[sys.executable, "-m", "gateway", "train"],
+        child_env={},
+        gate_url="http://127.0.0.1:9/v1",
+    )
+    return JobRunner(database, config)
+
+
+async def fresh_database(url: str) -> Database:
+    url = async_database_url(url)
+    await upgrade_database(url)
+    return Database(url)
+
+
+def test_job_lock_is_exclusive_and_expires(database_url: str) -> None:
+    async def scenario() -> None:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                assert await acquire_job_lock(session, "p", "a", "judge", ttl_s=60)
+                assert not await acquire_job_lock(session, "p", "b", "train", ttl_s=60)
+                assert await acquire_job_lock(session, "q", "b", "train", ttl_s=60)  # other policies are free
+                assert not await renew_job_lock(session, "p", "b", ttl_s=60)
+                await release_job_lock(session, "p", "a")
+                assert await acquire_job_lock(session, "p", "b", "train", ttl_s=0.2)
+                await asyncio.sleep(0.4)  # b stopped renewing (crashed): its lock is taken over
+                assert await acquire_job_lock(session, "p", "c", "judge", ttl_s=60)
+                assert not await renew_job_lock(session, "p", "b", ttl_s=60)
+        finally:
+            await database.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_two_processes_racing_for_one_policy_run_it_once(
+    database_url: str, tmp_path: Path, embedded_model: Path
+) -> None:
+    async def setup() -> None:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                await create_policy(session, "race", str(embedded_model), {})
+                await session.commit()
+        finally:
+            await database.dispose()
+
+    asyncio.run(setup())
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "worker",
+        "--once",
+        "train",
+        "--policy",
+        "race",
+        "--database-url",
+        database_url,
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
+    workers = [
+        subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outcomes = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=120)
+        outcomes.append((worker.returncode, json.loads(out.strip().splitlines()[-1]), err))
+    statuses = sorted(line["status"] for _, line, _ in outcomes)
+    assert statuses == ["busy", "skipped"], outcomes  # skipped: the winner's run found no rewarded data
+    assert sorted(rc for rc, _, _ in outcomes) == [0, 75]
+
+    async def runs() -> list[Any]:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                return await list_runs(session, "race")
+        finally:
+            await database.dispose()
+
+    [run] = asyncio.run(runs())
+    assert run.kind == "train" and run.status == "skipped" and run.config["trigger"] == "worker"
+
+
+def test_missed_runs_after_downtime_are_coalesced_into_one(database_url: str, tmp_path: Path) -> None:
+    interval = 60.0
+    schedule = {"judge_interval_s": interval, "train_cron": None, "retention": {"cron": None}}
+
+    async def scenario() -> tuple[dict[str, int], dict[str, datetime | None]]:
+        database = await fresh_database(database_url)
+        now = datetime.now(UTC)
+        try:
+            async with database.session() as session:
+                for name, last in (("stale", now - timedelta(seconds=3.5 * interval)), ("fresh", now)):
+                    policy = await create_policy(session, name, "base", {"schedule": schedule})
+                    session.add(
+                        TrainingRun(
+                            policy_id=policy.id, kind="judge", status="succeeded", started_at=last, config={}
+                        )
+                    )
+                await session.commit()
+            scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=0.5)
+            await scheduler.start()
+            try:
+                await asyncio.sleep(3.0)  # six refreshes: a second catch-up would have happened by now
+                next_runs = dict(scheduler.jobs())
+            finally:
+                await scheduler.stop()
+            async with database.session() as session:
+                counts = {name: len(await list_runs(session, name, "judge")) for name in ("stale", "fresh")}
+            return counts, next_runs
+        finally:
+            await database.dispose()
+
+    counts, next_runs = asyncio.run(scenario())
+    assert counts == {"stale": 2, "fresh": 1}  # the stale policy caught up exactly once; the fresh one waits
+    stale_next, fresh_next = next_runs["stale:judge"], next_runs["fresh:judge"]
+    assert stale_next is not None and fresh_next is not None
+    in_a_minute = datetime.now(UTC) + timedelta(seconds=interval)
+    assert abs((stale_next - in_a_minute).total_seconds()) < 10  # back on its regular interval
+    assert abs((fresh_next - in_a_minute).total_seconds()) < 10
+
+
+def test_paused_schedule_runs_nothing(database_url: str, tmp_path: Path) -> None:
+    schedule = {"paused": True, "judge_interval_s": 60, "train_cron": "* * * * *"}
+
+    async def scenario() -> tuple[int, list[Any]]:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                policy = await create_policy(session, "paused", "base", {"schedule": schedule})
+                old = datetime.now(UTC) - timedelta(hours=2)
+                session.add(
+                    TrainingRun(policy_id=policy.id, kind="judge", status="succeeded", started_at=old)
+                )
+                await session.commit()
+            scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=0.5)
+            await scheduler.start()
+            try:
+                await asyncio.sleep(1.5)
+                jobs = scheduler.jobs()
+            finally:
+                await scheduler.stop()
+            async with database.session() as session:
+                return len(await list_runs(session, "paused")), jobs
+        finally:
+            await database.dispose()
+
+    runs, jobs = asyncio.run(scenario())
+    assert runs == 1 and jobs == []
+
+
+def test_retention_never_touches_active_pinned_or_rollback_versions(
+    database_url: str, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    now = datetime.now(UTC)
+    schedule = {"retention": {"calls_days": 30, "keep_versions": 2}}
+
+    async def scenario() -> tuple[Any, list[Any], list[str]]:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                policy = await create_policy(session, "keep", "base", {"schedule": schedule})
+                for version in range(7):
+                    path = adapter_dir(data_dir, "keep", version)
+                    path.mkdir(parents=True)
+                    (path / "adapter_model.safetensors").write_bytes(b"x")
+                    await add_adapter(session, policy.id, version, str(path), status="candidate")
+                await activate_version(session, policy.id, 0)
+                await activate_version(session, policy.id, 2)  # 0 is the rollback target now
+                await activate_version(session, policy.id, 3)  # 2 is the rollback target now
+                await session.execute(
+                    update(Adapter)
+                    .where(Adapter.policy_id == policy.id, Adapter.version == 1)
+                    .values(pinned=True)
+                )
+                for age_days, episode in ((40, "old"), (1, "new")):
+                    created = now - timedelta(days=age_days)
+                    session.add(Episode(id=episode, policy="keep", created_at=created, updated_at=created))
+                    await session.flush()
+                    session.add(
+                        Call(
+                            id=f"call-{episode}",
+                            episode_id=episode,
+                            position=0,
+                            policy="keep",
+                            model="keep",
+                            request={"messages": [{"role": "user", "content": "hi"}]},
+                            latency_ms=1.0,
+                            status="ok",
+                            created_at=created,
+                        )
+                    )
+                await session.commit()
+            run = await runner(database, data_dir).run("keep", "retention")
+            async with database.session() as session:
+                adapters = await list_adapters(session, policy.id)
+                calls = [c.id for c in (await session.execute(Call.__table__.select())).all()]
+            return run, adapters, calls
+        finally:
+            await database.dispose()
+
+    run, adapters, calls = asyncio.run(scenario())
+    assert run is not None and run.status == "succeeded", run
+    kept = {a.version: a.status for a in adapters}
+    # active 3, pinned 1, rollback target 2, newest two 5 and 6; 0 and 4 go
+    assert kept == {1: "candidate", 2: "retired", 3: "active", 5: "candidate", 6: "candidate"}
+    assert sorted(run.metrics["versions"]) == [0, 4]
+    for version in range(7):
+        assert adapter_dir(data_dir, "keep", version).exists() == (version in kept)
+    assert calls == ["call-new"] and run.metrics["calls"] == 1 and run.metrics["episodes"] == 1
+
+
+def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
+    from gateway.scheduling import child_env, gate_url
+
+    settings = Settings.load(data_dir=tmp_path, api_keys="k1,k2", host="0.0.0.0", port=8123, scheduler=False)
+    env = child_env(settings)
+    assert env["KAIZEN_API_KEYS"] == "k1,k2" and env["KAIZEN_SCHEDULER"] == "false"
+    assert env["KAIZEN_DATA_DIR"] == str(tmp_path.resolve())
+    assert gate_url(settings) == "http://127.0.0.1:8123/v1"
+
+
+def test_admin_api_triggers_lists_and_pauses(make_gateway: Callable[..., Any], database_url: str) -> None:
+    gw = make_gateway(database_url, admin_key="admin-key", scheduler=True, scheduler_refresh_s=0.5)
+    admin = {"Authorization": "Bearer admin-key"}
+
+    async def setup() -> None:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                await create_policy(session, "ops", "base", {"schedule": {"train_cron": None}})
+                await session.commit()
+                # another process is running a job of "busy"
+                await create_policy(session, "busy", "base", {})
+                await session.commit()
+                assert await acquire_job_lock(session, "busy", "elsewhere", "train", ttl_s=60)
+        finally:
+            await database.dispose()
+
+    asyncio.run(setup())
+    started = httpx.post(gw.url + "/admin/policies/ops/judge", headers=admin, timeout=30)
+    assert started.status_code == 202, started.text
+    run_id = started.json()["run_id"]
+    deadline = time.monotonic() + 20
+    while True:
+        [run] = [
+            r for r in httpx.get(gw.url + "/admin/runs?policy=ops", headers=admin).json() if r["id"] == run_id
+        ]
+        if run["status"] != "running" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert run["kind"] == "judge" and run["status"] == "succeeded" and run["config"]["trigger"] == "manual"
+    assert run["metrics"]["groups"] == 0
+    assert httpx.get(f"{gw.url}/admin/runs/{run_id}", headers=admin).json()["id"] == run_id
+
+    busy = httpx.post(gw.url + "/admin/policies/busy/train", headers=admin, timeout=30)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "job_running"
+    assert httpx.post(gw.url + "/admin/policies/nope/judge", headers=admin).status_code == 404
+    assert httpx.post(gw.url + "/admin/policies/ops/judge").status_code == 401
+
+    paused = httpx.post(gw.url + "/admin/policies/ops/pause", headers=admin)
+    assert paused.status_code == 200 and paused.json()["schedule"]["paused"] is True
+    [row] = query(database_url, "SELECT config FROM policies WHERE name = 'ops'")
+    config = json.loads(row["config"]) if isinstance(row["config"], str) else row["config"]
+    assert config["schedule"] == {"train_cron": None, "paused": True}
+    scheduler = gw.services.jobs.scheduler
+    assert scheduler is not None and not [j for j, _ in scheduler.jobs() if j.startswith("ops:")]
+    resumed = httpx.post(gw.url + "/admin/policies/ops/resume", headers=admin)
+    assert resumed.json()["schedule"]["paused"] is False
+    assert "ops:judge" in {j for j, _ in scheduler.jobs()}

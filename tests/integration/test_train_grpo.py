@@ -1,0 +1,182 @@
+"""GRPO end to end on CPU with the embedded model: captured calls + rewards in SQL ▶ `run_training` ▶ adapter N+1.
+
+The task is verifiable: "reply with one word", rewarded 1/words (0 for an empty reply). The data are replies the
+model itself sampled (token ids and behaviour logprobs captured like the engine does), written through the
+capture path; the fresh replies of the new adapter must earn more than those of the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from storage.calls import write_calls
+from storage.database import Database
+from storage.models import Reward
+from storage.policies import create_policy, list_adapters
+from storage.records import CallRecord
+from storage.schema import upgrade_database
+from trainer.config import TrainConfig
+from trainer.grouping import Sample
+from trainer.job import TrainingBusy, TrainRequest, run_training
+from trainer.model import LocalSampler, load_policy, pick_device
+
+PROMPTS = [
+    "Name a color. Reply with one word only.",
+    "Name an animal. Reply with one word only.",
+    "What is the capital of France? Reply with one word only.",
+    "Name a fruit. Reply with one word only.",
+    "Name a planet. Reply with one word only.",
+    "Name a country. Reply with one word only.",
+]
+SAMPLES = 8
+MAX_NEW_TOKENS = 24
+
+
+def brevity(text: str) -> float:
+    words = len(text.split())
+    return 1.0 / words if words else 0.0
+
+
+def train_settings() -> dict[str, Any]:
+    return {
+        "grouping": "key",
+        "group_size": SAMPLES,
+        "learning_rate": 2e-4,
+        "epochs": 2,
+        "micro_batch_size": 8,
+        "grad_accumulation": 1,
+        "loss_mode": "cispo",
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "collapse_check_every": 0,
+        "collapse_prompts": 2,
+        "collapse_samples": 4,
+        "collapse_max_new_tokens": 16,
+        # Shorter replies are the goal of this task, so the length ratio is not a collapse here.
+        # and a one-word reply is far from the base model per token (its early end-of-turn is unlikely there).
+        "collapse_bounds": {"min_length_ratio": 0.0, "max_kl_to_base": 3.0},
+    }
+
+
+def sampler(model_dir: Path, adapter: str | None, seed: int) -> LocalSampler:
+    torch.manual_seed(seed)
+    model, tokenizer = load_policy(str(model_dir), adapter, TrainConfig(seed=seed), pick_device())
+    return LocalSampler(model, tokenizer, pick_device(), max_new_tokens=MAX_NEW_TOKENS)
+
+
+def fresh_samples(s: LocalSampler) -> list[list[Sample]]:
+    return s.sample_many([([{"role": "user", "content": p}], None) for p in PROMPTS], SAMPLES)
+
+
+def mean_reward(samples: list[list[Sample]]) -> float:
+    rewards = [brevity(x.text) for group in samples for x in group]
+    return sum(rewards) / len(rewards)
+
+
+async def insert_data(db: Database, samples: list[list[Sample]], policy: str) -> None:
+    """One episode per sampled reply, grouped per prompt by `group_key`, each with a `rule` reward."""
+    records, rewards = [], []
+    now = time.time()
+    for p_index, (prompt, group) in enumerate(zip(PROMPTS, samples, strict=True)):
+        messages = [{"role": "user", "content": prompt}]
+        for sample in group:
+            call_id = uuid.uuid4().hex
+            records.append(
+                CallRecord(
+                    id=call_id,
+                    episode_id=uuid.uuid4().hex,
+                    episode_resolved=True,
+                    policy=policy,
+                    model=policy,
+                    request={"messages": messages, "params": {}},
+                    response={
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": sample.text}}]
+                    },
+                    prompt_token_ids=sample.prompt_token_ids,
+                    completion_token_ids=[sample.token_ids],
+                    completion_logprobs=[sample.logprobs] if sample.logprobs else None,
+                    group_key=f"task-{p_index}",
+                    created_at=now,
+                )
+            )
+            rewards.append(Reward(call_id=call_id, source="rule", name="brevity", value=brevity(sample.text)))
+    async with db.session() as session:
+        await write_calls(session, records)
+        session.add_all(rewards)
+        await session.commit()
+
+
+def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model: Path) -> None:
+    torch.set_num_threads(2)
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+
+    old_samples = fresh_samples(sampler(embedded_model, None, seed=1))
+
+    async def scenario() -> tuple[Any, list[Any]]:
+        await upgrade_database(url)
+        db = Database(url)
+        try:
+            async with db.session() as session:
+                await create_policy(session, "shortbot", "smollm2-135m-instruct", {"train": train_settings()})
+                await session.commit()
+            await insert_data(db, old_samples, "shortbot")
+            request = TrainRequest("shortbot", tmp_path / "data", str(embedded_model), device="cpu")
+            outcome = await run_training(db, request)
+            async with db.session() as session:
+                from storage.policies import get_policy
+
+                policy = await get_policy(session, "shortbot")
+                assert policy is not None
+                adapters = await list_adapters(session, policy.id)
+            return outcome, adapters
+        finally:
+            await db.dispose()
+
+    outcome, adapters = asyncio.run(scenario())
+    assert outcome.status == "succeeded", outcome.error
+    metrics = outcome.metrics
+    assert metrics["groups"] >= 4 and metrics["trajectories"] == metrics["samples"]
+    assert metrics["loss_tokens"] > 0 and metrics["tokens_per_s"] > 0
+    assert metrics["data"]["episodes_rewarded"] == len(PROMPTS) * SAMPLES
+    assert "retokenised" not in metrics["data"]  # captured ids were used
+    assert [(a.version, a.status) for a in adapters] == [(outcome.version, "candidate")]
+    assert Path(outcome.adapter_path or "", "adapter_config.json").is_file()
+    assert not [p for p in Path(outcome.adapter_path or "").parent.iterdir() if p.name.startswith(".")]
+
+    # The captured replies are fresh samples of the old adapter (here: the base model) on the same prompts.
+    before = mean_reward(old_samples)
+    after = mean_reward(fresh_samples(sampler(embedded_model, outcome.adapter_path, seed=7)))
+    print(f"mean reward of fresh samples: before {before:.3f} after {after:.3f}")
+    assert after > before + 0.1, (before, after)
+
+
+@pytest.mark.usefixtures("embedded_model")
+def test_second_run_of_a_policy_is_refused(tmp_path: Path) -> None:
+    """The lock is in the database: a held, unexpired lock refuses the run before any work starts."""
+    from storage.policies import get_policy
+    from storage.training import acquire_lock
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+
+    async def scenario() -> None:
+        await upgrade_database(url)
+        db = Database(url)
+        try:
+            async with db.session() as session:
+                await create_policy(session, "p", "base", {"train": {"grouping": "key"}})
+                await session.commit()
+                policy = await get_policy(session, "p")
+                assert policy is not None
+                assert await acquire_lock(session, policy.id, "other-job", ttl_s=60)
+            with pytest.raises(TrainingBusy):
+                await run_training(db, TrainRequest("p", tmp_path, "unused"))
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,103 @@
+"""The typed schedule of a policy: defaults, validation, and the catch-up arithmetic of a restart."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pydantic import ValidationError
+
+from storage.policies import AdapterInfo
+from storage.retention import versions_to_keep
+from trainer.collapse import CollapseBounds, measure
+from trainer.gate import GateConfig, collapse_problems, is_held_out
+from trainer.schedule_config import ScheduleConfig
+from trainer.scheduler import catch_up_time, cron_missed
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+
+
+def test_defaults_close_the_loop() -> None:
+    config = ScheduleConfig.from_policy_config({})
+    assert not config.paused
+    assert config.judge_interval_s == 3600
+    assert config.train_cron == "0 3 * * *"
+    assert config.train_min_new_episodes is None
+    assert config.retention.calls_days == 90 and config.retention.keep_versions == 5
+
+
+def test_reads_the_schedule_key_and_keeps_defaults_for_the_rest() -> None:
+    config = ScheduleConfig.from_policy_config(
+        {"schedule": {"paused": True, "train_cron": None, "train_min_new_episodes": 50}, "rewards": {}}
+    )
+    assert config.paused and config.train_cron is None and config.train_min_new_episodes == 50
+    assert config.judge_interval_s == 3600
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"train_cron": "every night"},
+        {"retention": {"cron": "61 * * * *"}},
+        {"judge_interval_s": 0},
+        {"train_min_new_episodes": 0},
+        {"retention": {"keep_versions": 0}},
+        {"unknown": 1},
+    ],
+)
+def test_invalid_schedules_are_refused(schedule: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ScheduleConfig.from_policy_config({"schedule": schedule})
+
+
+def test_interval_catch_up_runs_once_now_after_downtime() -> None:
+    assert catch_up_time(None, NOW, 60) == NOW + timedelta(seconds=60)  # never ran: one interval from now
+    assert catch_up_time(NOW - timedelta(seconds=20), NOW, 60) == NOW + timedelta(seconds=40)
+    assert catch_up_time(NOW - timedelta(seconds=600), NOW, 60) == NOW  # ten missed: one run, now
+
+
+def test_cron_missed_only_when_a_fire_time_passed_since_the_last_run() -> None:
+    nightly = "0 3 * * *"
+    assert cron_missed(nightly, NOW - timedelta(days=3), NOW)
+    assert not cron_missed(nightly, NOW.replace(hour=3, minute=0), NOW)  # ran at 03:00 today
+    assert not cron_missed(nightly, None, NOW)
+
+
+def _adapter(version: int, status: str, pinned: bool = False) -> AdapterInfo:
+    return AdapterInfo(1, version, status, f"/a/{version}", None, pinned, {}, NOW)
+
+
+def test_retention_keeps_active_pinned_newest_and_rollback_target() -> None:
+    adapters = [
+        _adapter(0, "retired"),
+        _adapter(1, "retired", pinned=True),
+        _adapter(2, "retired"),
+        _adapter(3, "active"),
+        _adapter(4, "rejected"),
+        _adapter(5, "retired"),
+        _adapter(6, "candidate"),
+        _adapter(7, "candidate"),
+    ]
+    assert versions_to_keep(adapters, 3, keep=2) == {1, 2, 3, 6, 7}
+
+
+def test_held_out_groups_are_a_stable_fraction() -> None:
+    groups = [f"task-{i}" for i in range(2000)]
+    held = [g for g in groups if is_held_out(g, 0.1)]
+    assert 150 < len(held) < 250
+    assert held == [g for g in groups if is_held_out(g, 0.1)]
+    assert not any(is_held_out(g, 0.0) for g in groups)
+
+
+def test_gate_collapse_check_is_relative_to_the_active_version() -> None:
+    bounds = GateConfig().bounds()
+    assert bounds == CollapseBounds()
+    active = measure(["Red, orange and yellow.", "Blue, green, red.", "Violet and indigo.", "Green."])
+    collapsed = measure(["ok ok ok ok ok ok", "ok ok ok ok ok ok", "ok ok ok ok ok ok", "ok ok ok ok ok ok"])
+    problems = collapse_problems(collapsed, active, bounds)
+    assert any(p.startswith("distinct_share") for p in problems)
+    assert any(p.startswith("repetition") for p in problems)
+    assert collapse_problems(active, active, bounds) == []
+    # An empty-reply habit the active version shares is not held against the candidate.
+    both_empty = measure(["", "Red.", "Blue and green.", "Yellow."])
+    assert collapse_problems(both_empty, both_empty, bounds) == []

@@ -1,0 +1,233 @@
+"""Selection, grouping and tokenisation of trajectories: filters, skips and drops are counted, tokens are exact."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from storage.training import CallRow, EpisodeRow
+from trainer.config import TrainConfig
+from trainer.dataset import DataReport, EarlierTurn, Trajectory, build_trajectory, select_episodes
+from trainer.grouping import Sample, group_by_column, resample_groups
+from trainer.tokens import tokenize
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def episode(i: int, reward: float = 1.0, **kw: Any) -> EpisodeRow:
+    base: dict[str, Any] = {
+        "id": f"e{i}",
+        "group_key": None,
+        "meta": {},
+        "tags": [],
+        "reward": reward,
+        "reward_count": 1,
+        "created_at": T0 + timedelta(minutes=i),
+    }
+    return EpisodeRow(**{**base, **kw})
+
+
+def trajectory(i: int, reward: float, **kw: Any) -> Trajectory:
+    base: dict[str, Any] = {
+        "episode_id": f"e{i}",
+        "context": [{"role": "user", "content": "q"}],
+        "tools": None,
+        "reply": {"role": "assistant", "content": "a"},
+        "reward": reward,
+        "prompt_token_ids": [1, 2, 3],
+        "completion_token_ids": [7, 8, 9],
+        "completion_logprobs": [-0.1, -0.2, -0.3],
+    }
+    return Trajectory(**{**base, **kw})
+
+
+def test_select_filters_and_caps_newest() -> None:
+    episodes = [
+        episode(0, tags=["a"]),
+        episode(1, tags=["a", "b"], meta={"env": "prod"}),
+        episode(2, tags=["a"], meta={"env": "prod"}, reward_count=0),
+        episode(3, tags=["a"], meta={"env": "prod"}),
+        episode(4, tags=["a"], meta={"env": "prod"}),
+        episode(5, tags=[], meta={"env": "prod"}),
+    ]
+    cfg = TrainConfig(tags=["a"], metadata={"env": "prod"}, min_rewards=1, max_episodes=2)
+    report = DataReport()
+    kept = select_episodes(episodes, cfg, report)
+    assert [e.id for e in kept] == ["e3", "e4"]
+    assert report.as_dict() == {
+        "capped": 1,
+        "episodes_rewarded": 6,
+        "filtered_metadata": 1,
+        "filtered_min_rewards": 1,
+        "filtered_tags": 1,
+    }
+
+
+def call(position: int, *, status: str = "ok", ids: list[int] | None = None, **kw: Any) -> CallRow:
+    base: dict[str, Any] = {
+        "id": f"c{position}",
+        "episode_id": "e0",
+        "position": position,
+        "status": status,
+        "request": {"messages": [{"role": "user", "content": f"turn {position}"}]},
+        "response": {"choices": [{"message": {"role": "assistant", "content": "ok", "tool_calls": None}}]},
+        "prompt_token_ids": [1, 2],
+        "completion_token_ids": [ids or [5, 6]],
+        "completion_logprobs": [[-1.0, -2.0]],
+        "context_hash": "h",
+        "group_key": None,
+        "adapter_version": 1,
+    }
+    return CallRow(**{**base, **kw})
+
+
+def test_trajectory_is_last_call_plus_reply_and_bad_episodes_are_counted() -> None:
+    report = DataReport()
+    t = build_trajectory(episode(0), [call(0), call(1, ids=[8, 9])], report)
+    assert t is not None
+    assert t.context == [{"role": "user", "content": "turn 1"}]
+    assert t.reply == {"role": "assistant", "content": "ok"}
+    assert t.completion_token_ids == [8, 9] and t.completion_logprobs == [-1.0, -2.0]
+    assert t.earlier == [EarlierTurn([1, 2], [([5, 6], [-1.0, -2.0])])]
+    assert build_trajectory(episode(1), [call(0, status="error")], report) is None
+    assert build_trajectory(episode(2), [], report) is None
+    # logprobs that do not align with the ids are treated as unknown
+    t = build_trajectory(episode(3), [call(0, completion_logprobs=[[-1.0]])], report)
+    assert t is not None and t.completion_logprobs is None
+    assert report.as_dict() == {"dropped_no_calls": 1, "dropped_no_reply": 1}
+
+
+def test_key_grouping_skips_flat_and_small_groups() -> None:
+    ts = [
+        trajectory(0, 1.0, group_key="g1"),
+        trajectory(1, 0.0, group_key="g1"),
+        trajectory(2, 1.0, group_key="g2"),
+        trajectory(3, 1.0, group_key="g2"),
+        trajectory(4, 0.5, group_key="g3"),
+        trajectory(5, 0.5, group_key=None),
+    ]
+    report = DataReport()
+    groups = group_by_column(ts, TrainConfig(grouping="key"), report)
+    assert [(g.key, g.advantages) for g in groups] == [("g1", [0.5, -0.5])]
+    assert report.as_dict() == {
+        "dropped_no_group_key": 1,
+        "groups_no_variance": 1,
+        "groups_too_small": 1,
+        "trajectories_in_flat_groups": 2,
+        "trajectories_in_small_groups": 1,
+    }
+
+
+def test_prompt_grouping_uses_context_hash() -> None:
+    ts = [
+        trajectory(0, 1.0, context_hash="x"),
+        trajectory(1, 0.0, context_hash="x"),
+        trajectory(2, 0.0, context_hash="y"),
+    ]
+    groups = group_by_column(ts, TrainConfig(grouping="prompt"), DataReport())
+    assert [[m.episode_id for m in g.members] for g in groups] == [["e0", "e1"]]
+
+
+class FixedSampler:
+    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+        return [Sample(f"reply {i}", [1, 2], [10 + i, 2], [-0.5, -0.1]) for i in range(n)]
+
+
+class LengthScorer:
+    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]:
+        return [None if r.endswith("2") else float(r.endswith("1")) for r in replies]
+
+
+def test_resample_keeps_original_reward_and_counts_unscored() -> None:
+    import asyncio
+
+    report = DataReport()
+    cfg = TrainConfig(grouping="resample", group_size=4)
+    [group] = asyncio.run(resample_groups([trajectory(0, 0.5)], cfg, FixedSampler(), LengthScorer(), report))
+    assert [m.origin for m in group.members] == ["captured", "resampled", "resampled"]
+    assert group.rewards == [0.5, 0.0, 1.0]
+    assert (
+        group.members[2].completion_token_ids == [11, 2]
+        and group.members[2].context == group.members[0].context
+    )
+    assert report.as_dict() == {"resampled_replies": 3, "resampled_unscored": 1}
+
+
+class Template:
+    """A stand-in chat template: each message renders as [100, len(content)], a generation prompt as [101]."""
+
+    eos_token_id = 2
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, generation: bool = False, **kw: Any
+    ) -> list[int]:
+        ids = [t for m in messages for t in (100, len(m.get("content") or ""))]
+        return [*ids, 101] if kw.get("add_generation_prompt") else [*ids, 102, 2, 13]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_captured_ids_carry_loss_with_behaviour_logprobs() -> None:
+    report = DataReport()
+    sample = tokenize(trajectory(0, 1.0), 0.5, Template(), TrainConfig(), report)
+    assert sample is not None
+    assert sample.input_ids == [1, 2, 3, 7, 8, 9]
+    assert sample.loss_mask == [False, False, False, True, True, True]
+    assert sample.behaviour_logprobs == [None, None, None, -0.1, -0.2, -0.3]
+    assert sample.advantage == 0.5 and not report.counts
+
+
+def test_earlier_assistant_turns_train_only_where_ids_match() -> None:
+    report = DataReport()
+    t = trajectory(
+        0,
+        1.0,
+        prompt_token_ids=[1, 2, 5, 6, 3, 4],
+        earlier=[
+            EarlierTurn([1, 2], [([9], None), ([5, 6], [-0.4, -0.6])]),
+            EarlierTurn([1, 9], [([5], None)]),
+        ],
+    )
+    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
+    assert sample is not None
+    assert sample.loss_mask == [False, False, True, True, False, False, True, True, True]
+    assert sample.behaviour_logprobs[2:4] == [-0.4, -0.6]
+    assert report.as_dict() == {"earlier_turns_trained": 1, "earlier_turns_unmatched": 1}
+
+
+def test_missing_ids_fall_back_to_the_template_with_unknown_logprobs() -> None:
+    report = DataReport()
+    t = trajectory(0, 1.0, prompt_token_ids=None, completion_token_ids=None, completion_logprobs=None)
+    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
+    assert sample is not None
+    # prompt [100, 1, 101] from the template; the reply is re-encoded text plus end of turn
+    assert sample.input_ids == [100, 1, 101, ord("a"), 2]
+    assert sample.loss_mask == [False, False, False, True, True]
+    assert sample.behaviour_logprobs == [None] * 5
+    assert report.as_dict() == {"retokenised": 1}
+
+
+@pytest.mark.parametrize(("overlong", "kept"), [("truncate", True), ("drop", False)])
+def test_overlong_trajectories_are_truncated_or_dropped(overlong: str, kept: bool) -> None:
+    report = DataReport()
+    t = trajectory(
+        0, 1.0, prompt_token_ids=list(range(20)), completion_token_ids=[7] * 10, completion_logprobs=None
+    )
+    sample = tokenize(t, 1.0, Template(), TrainConfig(max_length=25, overlong=overlong), report)  # type: ignore[arg-type]
+    assert (sample is not None) == kept
+    if sample is not None:
+        assert len(sample.input_ids) == 25 and sum(sample.loss_mask) == 5
+        assert report.as_dict() == {"no_behaviour_logprobs": 1, "truncated_overlong": 1}
+    else:
+        assert report.as_dict() == {"dropped_overlong": 1, "no_behaviour_logprobs": 1}
+
+
+def test_config_reads_policy_settings_and_rejects_unknown_keys() -> None:
+    cfg = TrainConfig.from_policy_config({"train": {"learning_rate": 1e-4, "grouping": "key"}}, epochs=2)
+    assert (cfg.learning_rate, cfg.grouping, cfg.epochs, cfg.lora_rank) == (1e-4, "key", 2, 16)
+    with pytest.raises(ValueError, match="lerning_rate"):
+        TrainConfig.from_policy_config({"train": {"lerning_rate": 1}})
+    assert TrainConfig(collapse_bounds={"max_kl_to_base": 1.0}).bounds().max_kl_to_base == 1.0

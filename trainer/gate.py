@@ -1,0 +1,305 @@
+"""The evaluation gate: a candidate version is promoted only if it is not worse than the active one.
+
+Both versions answer the same held-out contexts through the serving engine (``policy@N`` and ``policy@M`` on
+the gateway's OpenAI-compatible URL, with ``X-Kaizen-No-Log`` so nothing is captured), the policy's scorer
+(reward function, webhook or RULER) scores each context's replies of both versions as one group, and the
+collapse signals of the candidate's replies must stay within `CollapseBounds` of the active version's.
+
+Held-out contexts come from rewarded episodes the run did not train on: episodes outside the run's data
+window, and episodes whose group hashes into the held-out fraction (`is_held_out`), which training should
+leave out so that they stay unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field
+
+from storage.database import Database
+from storage.episodes import Trajectory
+from storage.jobs import RunInfo
+from storage.training import episode_calls, rewarded_episodes
+from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
+from trainer.scoring import Scorer
+
+logger = logging.getLogger(__name__)
+
+
+class GateConfig(BaseModel):
+    """How a candidate is evaluated, stored as ``policies.config["gate"]``; every field has a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    holdout_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Share of groups (by a hash of their key) kept out of training."
+    )
+    max_groups: int = Field(8, ge=1, description="Held-out contexts evaluated, the newest first.")
+    samples: int = Field(
+        4, ge=1, description="Replies per context from each version (one when temperature is 0)."
+    )
+    max_tokens: int = Field(128, ge=1, description="Reply length cap when sampling.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both versions.")
+    tolerance: float = Field(
+        0.02, ge=0, description="The candidate's mean reward may be at most this much below the active one's."
+    )
+    promote: bool = Field(
+        True, description="Promote a candidate that passes; false: only record the decision."
+    )
+    collapse_bounds: dict[str, float] = Field(
+        default_factory=dict, description="Overrides of trainer.collapse.CollapseBounds fields."
+    )
+    request_timeout_s: float = Field(300.0, gt=0, description="Time allowed for one sampling request.")
+
+    def bounds(self) -> CollapseBounds:
+        return CollapseBounds(**self.collapse_bounds)
+
+    @classmethod
+    def from_policy_config(cls, config: dict[str, Any]) -> GateConfig:
+        return cls.model_validate(dict(config.get("gate") or {}))
+
+
+class GateError(RuntimeError):
+    """A version could not be sampled (unknown, engine down, request refused)."""
+
+
+def is_held_out(group: str, fraction: float) -> bool:
+    """Stable across processes and runs: the group's hash decides, so a held-out task stays unseen."""
+    digest = hashlib.sha256(group.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+@dataclass(frozen=True)
+class Context:
+    group: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass
+class GateResult:
+    """The decision and the numbers behind it (stored as ``training_runs.metrics["gate"]``)."""
+
+    decision: str  # promote | reject
+    candidate_version: int
+    active_version: int
+    reasons: list[str] = field(default_factory=list)
+    groups: int = 0
+    candidate_reward: float | None = None
+    active_reward: float | None = None
+    tolerance: float = 0.0
+    candidate_signals: dict[str, Any] | None = None
+    active_signals: dict[str, Any] | None = None
+    collapse_problems: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.decision == "promote"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _window(run: RunInfo) -> tuple[datetime | None, datetime | None]:
+    def parse(value: Any) -> datetime | None:
+        if not isinstance(value, str):
+            return None
+        parsed = datetime.fromisoformat(value)
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+    return parse(run.config.get("data_since")), parse(run.config.get("data_until"))
+
+
+async def held_out_contexts(
+    database: Database, policy: str, run: RunInfo, config: GateConfig
+) -> list[Context]:
+    """Contexts of recent rewarded episodes the run did not train on, one per group, newest first."""
+    since, until = _window(run)
+    async with database.session() as session:
+        episodes = await rewarded_episodes(session, policy, since=None, until=datetime.now(UTC))
+        picked = []
+        seen: set[str] = set()
+        for episode in reversed(episodes):
+            group = episode.group_key or episode.id
+            created = (
+                episode.created_at if episode.created_at.tzinfo else episode.created_at.replace(tzinfo=UTC)
+            )
+            trained_on = (since is None or created > since) and (until is None or created <= until)
+            if group in seen or (trained_on and not is_held_out(group, config.holdout_fraction)):
+                continue
+            seen.add(group)
+            picked.append((group, episode.id))
+            if len(picked) >= config.max_groups * 2:  # some may lack a usable context
+                break
+        calls = await episode_calls(session, [episode_id for _, episode_id in picked])
+    contexts = []
+    for group, episode_id in picked:
+        ok = [c for c in calls.get(episode_id, []) if c.status == "ok"]
+        if not ok:
+            continue
+        request = ok[-1].request
+        messages = list(request.get("messages") or [])
+        if messages:
+            contexts.append(Context(group, messages, request.get("tools")))
+        if len(contexts) >= config.max_groups:
+            break
+    return contexts
+
+
+def _reply_message(choice: dict[str, Any]) -> dict[str, Any]:
+    message = choice.get("message") or {}
+    reply: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        reply["tool_calls"] = message["tool_calls"]
+    return reply
+
+
+def _reply_text(reply: dict[str, Any]) -> str:
+    """What the collapse signals see: the text, or the tool calls for a reply that only calls tools."""
+    if reply.get("content"):
+        return str(reply["content"])
+    return json.dumps(reply["tool_calls"]) if reply.get("tool_calls") else ""
+
+
+class EngineSampler:
+    """Samples replies of one version through an OpenAI-compatible URL (the gateway's own, by default)."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None, config: GateConfig, wait_for_version_s: float = 30
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"X-Kaizen-No-Log": "true"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.config = config
+        self.wait_for_version_s = wait_for_version_s
+
+    async def sample(self, client: httpx.AsyncClient, model: str, context: Context) -> list[dict[str, Any]]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": context.messages,
+            # vLLM refuses n > 1 for greedy sampling, whose replies would be identical anyway.
+            "n": self.config.samples if self.config.temperature > 0 else 1,
+            "max_tokens": self.config.max_tokens,
+            "temperature": self.config.temperature,
+        }
+        if context.tools:
+            body["tools"] = context.tools
+        deadline = time.monotonic() + self.wait_for_version_s
+        while True:
+            response = await client.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers)
+            # A version written moments ago is unknown to the gateway until its next policy refresh.
+            if response.status_code in (404, 503) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                continue
+            if response.status_code >= 400:
+                raise GateError(f"{model} answered {response.status_code}: {response.text[:500]}")
+            return [_reply_message(choice) for choice in response.json()["choices"]]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def collapse_problems(
+    candidate: CollapseSignals, active: CollapseSignals, bounds: CollapseBounds
+) -> list[str]:
+    """Bounds the candidate violates relative to the active version; a floor the active one misses too is
+    the base model's habit on these contexts, not the candidate's fault."""
+    inherited = {problem.split()[0] for problem in check(active, bounds)}
+    return [
+        p
+        for p in check(candidate, bounds, baseline=active)
+        if "baseline" in p or p.split()[0] not in inherited
+    ]
+
+
+async def evaluate(
+    database: Database,
+    policy: str,
+    run: RunInfo,
+    candidate: int,
+    active: int,
+    *,
+    scorer: Scorer,
+    sampler: EngineSampler,
+    config: GateConfig,
+) -> GateResult:
+    """Sample, score and compare both versions on held-out contexts; never promotes by itself."""
+    started = time.perf_counter()
+    result = GateResult("reject", candidate, active, tolerance=config.tolerance)
+    contexts = await held_out_contexts(database, policy, run, config)
+    result.groups = len(contexts)
+    if not contexts:
+        result.reasons.append("no held-out rewarded episodes to evaluate on")
+        result.wall_s = time.perf_counter() - started
+        return result
+    rewards: dict[int, list[float]] = {candidate: [], active: []}
+    texts: dict[int, list[str]] = {candidate: [], active: []}
+    timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for index, context in enumerate(contexts):
+            replies = await asyncio.gather(
+                sampler.sample(client, f"{policy}@{candidate}", context),
+                sampler.sample(client, f"{policy}@{active}", context),
+            )
+            trajectories, owners = [], []
+            for version, version_replies in zip((candidate, active), replies, strict=True):
+                for j, reply in enumerate(version_replies):
+                    trajectories.append(
+                        Trajectory(
+                            episode_id=f"gate-{run.id}-{index}-{version}-{j}",
+                            messages=[*context.messages, reply],
+                            policy=policy,
+                            group_key=context.group,
+                        )
+                    )
+                    owners.append(version)
+                    texts[version].append(_reply_text(reply))
+            scored = await scorer.score(trajectories)
+            if scored.scores is None:
+                result.reasons.append(f"scoring failed on group {context.group}: {scored.error}")
+                result.wall_s = time.perf_counter() - started
+                return result
+            by_id = {s.episode_id: s.value for s in scored.scores}
+            for trajectory, version in zip(trajectories, owners, strict=True):
+                if trajectory.episode_id in by_id:
+                    rewards[version].append(by_id[trajectory.episode_id])
+    if not rewards[candidate] or not rewards[active]:
+        result.reasons.append("the scorer returned no scores")
+        result.wall_s = time.perf_counter() - started
+        return result
+    result.candidate_reward, result.active_reward = _mean(rewards[candidate]), _mean(rewards[active])
+    candidate_signals, active_signals = measure(texts[candidate]), measure(texts[active])
+    result.candidate_signals, result.active_signals = asdict(candidate_signals), asdict(active_signals)
+    result.collapse_problems = collapse_problems(candidate_signals, active_signals, config.bounds())
+    if result.candidate_reward < result.active_reward - config.tolerance:
+        result.reasons.append(
+            f"mean reward {result.candidate_reward:.4f} < active {result.active_reward:.4f} "
+            f"- tolerance {config.tolerance}"
+        )
+    result.reasons.extend(f"collapse: {p}" for p in result.collapse_problems)
+    if not result.reasons:
+        result.decision = "promote"
+    result.wall_s = time.perf_counter() - started
+    logger.info(
+        "gate %s@%d vs @%d on %d groups: %s (reward %.4f vs %.4f)%s",
+        policy,
+        candidate,
+        active,
+        result.groups,
+        result.decision,
+        result.candidate_reward,
+        result.active_reward,
+        "; " + "; ".join(result.reasons) if result.reasons else "",
+    )
+    return result

@@ -1,0 +1,185 @@
+"""GRPO groups: several attempts at the same task, whose rewards are compared with each other.
+
+* ``key``: episodes sharing the client's ``group_key``;
+* ``prompt``: episodes with the identical context up to the first assistant turn (``calls.context_hash``);
+* ``resample`` (default for production traffic, where a prompt is usually seen once): each selected trajectory
+  is the first member of its own group; k-1 more replies to the same context (everything before its final
+  assistant turn) are sampled from the active adapter and scored by the policy's scorer, while the original
+  keeps its own reward. In multi-turn episodes with tool results only the final assistant turn is resampled:
+  re-running the earlier turns would need the tools, which only the client can call.
+
+Groups whose rewards do not vary are skipped and counted: their advantages are all zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import polars as pl
+
+from trainer.advantages import group_advantages, has_signal
+from trainer.config import TrainConfig
+from trainer.dataset import DataReport, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled reply with the exact tokens and the behaviour logprobs of the sampler."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
+class Sampler(Protocol):
+    """Draws replies from the active adapter (the trainer's own model, or the serving engine)."""
+
+    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]: ...
+
+
+class Scorer(Protocol):
+    """Scores generated replies to one context (reward function, scoring webhook or RULER); None = unscored."""
+
+    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """Attempts at one task with their group-relative advantages (same order as `members`)."""
+
+    key: str
+    members: list[Trajectory]
+    advantages: list[float]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [m.reward for m in self.members]
+
+
+def _finalise(key: str, members: list[Trajectory], cfg: TrainConfig, report: DataReport) -> Group | None:
+    rewards = [m.reward for m in members]
+    if len(members) < cfg.min_group_size:
+        report.add("groups_too_small")
+        report.add("trajectories_in_small_groups", len(members))
+        return None
+    if not has_signal(rewards):
+        report.add("groups_no_variance")
+        report.add("trajectories_in_flat_groups", len(members))
+        return None
+    return Group(key, members, group_advantages(rewards, scale_by_std=cfg.scale_by_std))
+
+
+def group_by_column(trajectories: Sequence[Trajectory], cfg: TrainConfig, report: DataReport) -> list[Group]:
+    """`key` and `prompt` grouping: trajectories sharing group_key, or context_hash."""
+    column = "group_key" if cfg.grouping == "key" else "context_hash"
+    frame = pl.DataFrame(
+        {"index": list(range(len(trajectories))), "key": [getattr(t, column) for t in trajectories]},
+        schema={"index": pl.Int64, "key": pl.String},
+    )
+    missing = frame.filter(pl.col("key").is_null()).height
+    report.add(f"dropped_no_{column}", missing)
+    grouped = frame.drop_nulls("key").group_by("key", maintain_order=True).agg(pl.col("index")).sort("key")
+    groups = []
+    for key, indices in grouped.iter_rows():
+        group = _finalise(key, [trajectories[i] for i in indices], cfg, report)
+        if group is not None:
+            groups.append(group)
+    return groups
+
+
+async def resample_groups(
+    trajectories: Sequence[Trajectory], cfg: TrainConfig, sampler: Sampler, scorer: Scorer, report: DataReport
+) -> list[Group]:
+    """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`."""
+    groups = []
+    for trajectory in trajectories:
+        # In a worker thread: sampling blocks for seconds, and the lock heartbeat must keep beating.
+        samples = await asyncio.to_thread(
+            sampler.sample, trajectory.context, trajectory.tools, cfg.group_size - 1
+        )
+        report.add("resampled_replies", len(samples))
+        scores = await scorer.score(trajectory.context, [s.text for s in samples])
+        members = [trajectory]
+        for sample, score in zip(samples, scores, strict=True):
+            if score is None:
+                report.add("resampled_unscored")
+                continue
+            members.append(
+                replace(
+                    trajectory,
+                    reply={"role": "assistant", "content": sample.text},
+                    reward=float(score),
+                    prompt_token_ids=sample.prompt_token_ids,
+                    completion_token_ids=sample.token_ids,
+                    completion_logprobs=sample.logprobs,
+                    origin="resampled",
+                )
+            )
+        group = _finalise(trajectory.episode_id, members, cfg, report)
+        if group is not None:
+            groups.append(group)
+    return groups
+
+
+def group_stats(groups: Sequence[Group]) -> dict[str, float]:
+    """Reward statistics over every trajectory that made it into a group."""
+    rewards = [r for g in groups for r in g.rewards]
+    if not rewards:
+        return {"groups": 0, "trajectories": 0}
+    frame = pl.DataFrame({"reward": rewards})
+    by_origin: dict[str, int] = defaultdict(int)
+    for g in groups:
+        for m in g.members:
+            by_origin[m.origin] += 1
+    return {
+        "groups": len(groups),
+        "trajectories": len(rewards),
+        "captured_trajectories": by_origin["captured"],
+        "resampled_trajectories": by_origin["resampled"],
+        "reward_mean": float(frame["reward"].mean()),  # type: ignore[arg-type]
+        "reward_std": float(frame["reward"].std(ddof=0)),  # type: ignore[arg-type]
+    }
+
+
+class GroupScorer(Protocol):
+    """The shape of ``trainer.scoring.Scorer``: scores a group of whole trajectories at once."""
+
+    async def score(self, trajectories: Sequence[Any]) -> Any: ...
+
+
+class PolicyScorer:
+    """Adapts the policy's configured scorer (function, webhook or RULER) to score resampled replies.
+
+    Each reply becomes a trajectory `context + [reply]`; a scorer failure leaves the whole batch unscored
+    (counted), never stops the run.
+    """
+
+    def __init__(self, inner: GroupScorer, policy: str) -> None:
+        self.inner = inner
+        self.policy = policy
+
+    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]:
+        from storage.episodes import Trajectory as ScoredTrajectory
+
+        trajectories = [
+            ScoredTrajectory(
+                episode_id=f"resample-{i}",
+                messages=[*context, {"role": "assistant", "content": reply}],
+                policy=self.policy,
+            )
+            for i, reply in enumerate(replies)
+        ]
+        outcome = await self.inner.score(trajectories)
+        if outcome.scores is None:
+            logger.warning("scorer failed on resampled replies: %s", outcome.error)
+            return [None] * len(replies)
+        by_id = {s.episode_id: s.value for s in outcome.scores}
+        return [by_id.get(t.episode_id) for t in trajectories]

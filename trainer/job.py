@@ -1,0 +1,301 @@
+"""One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO ▶ adapter N+1.
+
+This is what ``kaizen train`` runs, in its own process. The database lock (``training_locks``) keeps two runs of
+one policy apart across processes and machines; a heartbeat renews it, and a crashed run's lock expires. The new
+version is written to a temporary directory and renamed into place, and its ``adapters`` row (``candidate``) and
+the ``training_runs`` outcome are committed together, so an interrupted run leaves no half-written version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from storage.database import Database
+from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy, next_version
+from storage.training import (
+    acquire_lock,
+    episode_calls,
+    finish_run,
+    last_data_cutoff,
+    release_lock,
+    renew_lock,
+    rewarded_episodes,
+    start_run,
+)
+from trainer.config import TrainConfig
+from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
+from trainer.gate import GateConfig, is_held_out
+from trainer.grouping import Group, Sampler, Scorer, group_by_column, group_stats, resample_groups
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingBusy(RuntimeError):
+    """Another live run holds the policy's training lock."""
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What a run needs besides the database: the policy, where files go, and the resample scorer."""
+
+    policy: str
+    data_dir: Path
+    #: Local directory of the base model (the CLI resolves embedded names before calling).
+    base_model_path: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    since: datetime | None = None
+    until: datetime | None = None
+    #: Scores resampled replies; required for `resample` grouping.
+    scorer: Scorer | None = None
+    device: str | None = None
+
+
+@dataclass
+class TrainOutcome:
+    run_id: int
+    status: str  # succeeded | skipped | failed
+    version: int | None
+    adapter_path: str | None
+    metrics: dict[str, Any]
+    error: str | None = None
+
+
+def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
+    return data_dir / "adapters" / policy / str(version)
+
+
+@contextlib.asynccontextmanager
+async def _heartbeat(
+    db: Database, policy_id: int, owner: str, ttl_s: float, stop: threading.Event
+) -> AsyncIterator[None]:
+    """Renew the lock every ttl/3; a lost lock (taken over after a stall) stops the run."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(ttl_s / 3)
+            async with db.session() as session:
+                if not await renew_lock(session, policy_id, owner, ttl_s):
+                    logger.error("lost the training lock of policy %d; stopping", policy_id)
+                    stop.set()
+                    return
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _load_trajectories(
+    db: Database, policy: PolicyInfo, cfg: TrainConfig, request: TrainRequest, report: DataReport
+) -> tuple[list[Trajectory], datetime | None, datetime]:
+    until = request.until or datetime.now(UTC)
+    async with db.session() as session:
+        since = request.since if request.since is not None else await last_data_cutoff(session, policy.id)
+        episodes = select_episodes(
+            await rewarded_episodes(session, policy.name, since=since, until=until), cfg, report
+        )
+        # Groups the evaluation gate keeps out are never trained on, so the gate judges unseen tasks.
+        holdout = GateConfig.from_policy_config(policy.config).holdout_fraction
+        kept = [e for e in episodes if not is_held_out(e.group_key or e.id, holdout)]
+        report.add("held_out_for_gate", len(episodes) - len(kept))
+        episodes = kept
+        calls = await episode_calls(session, [e.id for e in episodes])
+    trajectories = []
+    for episode in episodes:
+        trajectory = build_trajectory(episode, calls.get(episode.id, []), report)
+        if trajectory is not None:
+            trajectories.append(trajectory)
+    return trajectories, since, until
+
+
+async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
+    """Train the policy once; raises `TrainingBusy` if another run holds its lock."""
+    async with db.session() as session:
+        policy = await get_policy(session, request.policy)
+    if policy is None:
+        raise ValueError(f"unknown policy {request.policy!r}")
+    cfg = TrainConfig.from_policy_config(policy.config, **request.overrides)
+    if cfg.grouping == "resample" and request.scorer is None:
+        raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    async with db.session() as session:
+        if not await acquire_lock(session, policy.id, owner, cfg.lock_ttl_s):
+            raise TrainingBusy(f"policy {policy.name!r} is already being trained")
+    stop = threading.Event()
+    try:
+        async with db.session() as session:
+            run_id = await start_run(session, policy.id, policy.active_version, cfg.model_dump(mode="json"))
+            await session.commit()
+            await renew_lock(session, policy.id, owner, cfg.lock_ttl_s, run_id=run_id)
+        logger.info("training run %d of policy %s started (grouping %s)", run_id, policy.name, cfg.grouping)
+        async with _heartbeat(db, policy.id, owner, cfg.lock_ttl_s, stop):
+            try:
+                return await _train(db, policy, cfg, request, run_id, stop)
+            except BaseException as exc:
+                stop.set()  # a worker thread still in the update loop stops at its next micro-batch
+                reason = (
+                    "interrupted"
+                    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
+                    else repr(exc)
+                )
+                logger.error("training run %d failed: %s", run_id, reason)
+                async with db.session() as session:
+                    await finish_run(session, run_id, status="failed", metrics={}, error=reason)
+                    await session.commit()
+                raise
+    finally:
+        async with db.session() as session:
+            await release_lock(session, policy.id, owner)
+
+
+async def _train(
+    db: Database,
+    policy: PolicyInfo,
+    cfg: TrainConfig,
+    request: TrainRequest,
+    run_id: int,
+    stop: threading.Event,
+) -> TrainOutcome:
+    import torch
+
+    from trainer.grpo import CollapseMonitor, run_update
+    from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
+    from trainer.tokens import tokenize
+
+    started = time.perf_counter()
+    report = DataReport()
+    trajectories, since, until = await _load_trajectories(db, policy, cfg, request, report)
+    window = {"data_since": since.isoformat() if since else None, "data_until": until.isoformat()}
+
+    async def finish(
+        status: str, metrics: dict[str, Any], version: int | None = None, error: str | None = None
+    ) -> None:
+        async with db.session() as session:
+            await finish_run(
+                session,
+                run_id,
+                status=status,
+                metrics=metrics,
+                to_version=version,
+                error=error,
+                config_update=window,
+            )
+            await session.commit()
+
+    if not trajectories:
+        empty = {"data": report.as_dict(), "wall_s": time.perf_counter() - started}
+        await finish("skipped", empty, error="no rewarded trajectories in the window")
+        return TrainOutcome(run_id, "skipped", None, None, empty, "no rewarded trajectories in the window")
+
+    adapter_path: str | None = None
+    if policy.active_version is not None:
+        async with db.session() as session:
+            active = await get_adapter(session, policy.id, policy.active_version)
+        adapter_path = active.path if active is not None else None
+    device = torch.device(request.device) if request.device else pick_device()
+    model, tokenizer = await asyncio.to_thread(
+        load_policy, request.base_model_path, adapter_path, cfg, device
+    )
+
+    groups: list[Group]
+    if cfg.grouping == "resample":
+        assert request.scorer is not None
+        sampler: Sampler = LocalSampler(
+            model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
+        )
+        groups = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
+    else:
+        groups = group_by_column(trajectories, cfg, report)
+    samples = []
+    for group in groups:
+        for member, advantage in zip(group.members, group.advantages, strict=True):
+            sample = tokenize(member, advantage, tokenizer, cfg, report)
+            if sample is not None:
+                samples.append(sample)
+    metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
+    if not samples:
+        metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
+        await finish("skipped", metrics, error="no group with reward variance")
+        return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
+
+    contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds())
+
+    def update() -> Any:
+        monitor.start()
+        result = run_update(
+            model,
+            samples,
+            cfg,
+            pad_id=int(tokenizer.pad_token_id),
+            device=device,
+            collapse_check=monitor,
+            stop=stop,
+        )
+        if not result.stopped_early:
+            problems = monitor(result.steps)
+            if problems:
+                result.stopped_early, result.problems = True, problems
+        return result
+
+    result = await asyncio.to_thread(update)
+    metrics.update(result.metrics)
+    metrics.update(
+        data=report.as_dict(),
+        collapse=monitor.history,
+        stopped_early=result.stopped_early,
+        wall_s=time.perf_counter() - started,
+    )
+    if "mean_kl" not in metrics and monitor.history and monitor.history[-1].get("kl_to_base") is not None:
+        metrics["kl_to_base"] = monitor.history[-1]["kl_to_base"]
+    if result.stopped_early:
+        error = "collapse guard stopped the run: " + "; ".join(result.problems)
+        await finish("failed", metrics, error=error)
+        logger.warning("run %d wrote no adapter: %s", run_id, error)
+        return TrainOutcome(run_id, "failed", None, None, metrics, error)
+
+    async with db.session() as session:
+        version = await next_version(session, policy.id)
+    target = adapter_dir(request.data_dir, policy.name, version)
+    await asyncio.to_thread(save_adapter, model, target)
+    async with db.session() as session:
+        await add_adapter(
+            session,
+            policy.id,
+            version,
+            str(target),
+            status="candidate",
+            parent_version=policy.active_version,
+            metrics={k: v for k, v in metrics.items() if isinstance(v, int | float)},
+        )
+        await finish_run(
+            session, run_id, status="succeeded", metrics=metrics, to_version=version, config_update=window
+        )
+        await session.commit()
+    logger.info(
+        "run %d wrote %s@%d to %s (%d groups, %d samples, %.0f tokens/s, %.1f s)",
+        run_id,
+        policy.name,
+        version,
+        target,
+        metrics["groups"],
+        len(samples),
+        metrics["tokens_per_s"],
+        metrics["wall_s"],
+    )
+    return TrainOutcome(run_id, "succeeded", version, str(target), metrics)
