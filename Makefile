@@ -14,7 +14,7 @@ VLLM_BUILD ?= cpu
 $(VENV)/.installed: requirements/app.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/app.txt
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed
