@@ -138,20 +138,44 @@ def test_promote_and_rollback_under_streaming_load_fail_no_call(vllm_server: VLL
             with lock:
                 results.append(outcome)
 
+    def served_versions() -> list[int]:
+        rows = query(
+            vllm_server.gateway.settings.database_url,
+            "SELECT adapter_version FROM calls WHERE policy = 'live' ORDER BY created_at",
+        )
+        return [row["adapter_version"] for row in rows]
+
+    def wait_until(condition: Any, what: str, timeout_s: float = 300) -> None:
+        """Progress, not wall-clock sleeps, drives the test: a loaded CI machine may take seconds per call."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert all(error is None for _, _, error in results), results
+            time.sleep(0.25)
+
+    def more_calls(count: int) -> None:
+        with lock:
+            target = len(results) + count
+        wait_until(lambda: len(results) >= target, f"{count} more completed calls")
+
+    async def switch(database: Database, to: str) -> None:
+        async with database.session() as session:
+            await (promote(session, "live", 1) if to == "promote" else rollback(session, "live"))
+
     threads = [threading.Thread(target=stream_forever, args=(i,)) for i in range(4)]
     for thread in threads:
         thread.start()
     try:
-        time.sleep(2)
-
-        async def switch(database: Database, to: str) -> None:
-            async with database.session() as session:
-                await (promote(session, "live", 1) if to == "promote" else rollback(session, "live"))
-
+        more_calls(4)
         run(vllm_server, lambda db: switch(db, "promote"))
-        time.sleep(4)
+        wait_until(lambda: 1 in served_versions(), "a call served by version 1")
+        more_calls(4)
         run(vllm_server, lambda db: switch(db, "rollback"))
-        time.sleep(3)
+        wait_until(
+            lambda: 0 in (versions := served_versions())[versions.index(1) :],
+            "a call served by version 0 again after the rollback",
+        )
+        more_calls(4)
     finally:
         stop.set()
         for thread in threads:

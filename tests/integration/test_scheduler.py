@@ -134,15 +134,23 @@ def test_missed_runs_after_downtime_are_coalesced_into_one(database_url: str, tm
                         )
                     )
                 await session.commit()
+
+            async def judge_runs(name: str) -> int:
+                async with database.session() as session:
+                    return len(await list_runs(session, name, "judge"))
+
             scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=0.5)
             await scheduler.start()
             try:
+                deadline = time.monotonic() + 60
+                while await judge_runs("stale") < 2:  # the catch-up run, however slow the machine
+                    assert time.monotonic() < deadline, "the stale policy never caught up"
+                    await asyncio.sleep(0.2)
                 await asyncio.sleep(3.0)  # six refreshes: a second catch-up would have happened by now
                 next_runs = dict(scheduler.jobs())
             finally:
                 await scheduler.stop()
-            async with database.session() as session:
-                counts = {name: len(await list_runs(session, name, "judge")) for name in ("stale", "fresh")}
+            counts = {name: await judge_runs(name) for name in ("stale", "fresh")}
             return counts, next_runs
         finally:
             await database.dispose()

@@ -212,7 +212,17 @@ def test_policy_versions_are_served_by_name(vllm_server: VLLMServer) -> None:
             await session.commit()
 
     run(vllm_server, register)
-    time.sleep(1.5)  # the router re-reads policies every 0.5 s
+    deadline = time.monotonic() + 60  # the router re-reads policies every 0.5 s; allow for a loaded machine
+    while (
+        httpx.post(
+            vllm_server.gateway.url + "/v1/chat/completions",
+            json={"model": "bot@2", "messages": PROMPT, "max_tokens": 1},
+            timeout=120,
+        ).status_code
+        == 404
+    ):
+        assert time.monotonic() < deadline, "versions 1 and 2 never became addressable"
+        time.sleep(0.3)
     one, two = greedy(vllm_server, "bot@1"), greedy(vllm_server, "bot@2")
     assert len({base, one, two}) == 3
     assert greedy(vllm_server, "bot") == base  # still version 0 until promoted
