@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -174,6 +175,10 @@ def create_app(services: Services) -> Litestar:
         await services.chat.warm(services.database)
         await services.feedback.start()
         await services.jobs.start()
+        # Everything alive now lives as long as the process: moving it out of the collector's reach keeps
+        # full collections short (measured: 45-120 ms stalls of every in-flight call without this).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
