@@ -207,9 +207,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     """One GRPO run of a policy (see trainer.job); exits 0 when a candidate was written, 3 when nothing was."""
     from gateway.base_models import resolve_base_model
     from gateway.judge_command import judge_settings, parse_since
+    from gateway.scheduling import gate_url
     from storage.database import Database
     from storage.policies import get_policy
     from storage.schema import upgrade_database
+    from trainer.engine_sampling import EngineEndpoint
     from trainer.grouping import PolicyScorer
     from trainer.job import TrainRequest, run_training
     from trainer.rewards import policy_reward_config
@@ -220,6 +222,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = {
         key: _override_value(value) for key, value in (item.split("=", 1) for item in args.set or [])
     }
+    sampler = None
+    if settings.train_sampler == "engine" and settings.engine_sleep_during_training:
+        log.info("the engine sleeps while training runs: resampling with the trainer's own model")
+    elif settings.train_sampler == "engine":
+        # The scheduler's training child inherits the gateway's KAIZEN_* settings: this is that gateway's URL.
+        sampler = EngineEndpoint(
+            gate_url(settings), settings.api_keys[0] if settings.api_keys else None, max_n=settings.max_n
+        )
 
     async def run() -> int:
         await upgrade_database(settings.database_url)
@@ -238,6 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 overrides=overrides,
                 since=parse_since(args.since) if args.since else None,
                 scorer=PolicyScorer(scorer, args.policy),
+                sampler=sampler,
                 device=args.device,
             )
             outcome = await run_training(database, request)
@@ -290,6 +301,33 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.once:
         return run_once(settings, args.once, args.policy)
     return run_worker(settings)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from gateway.demo.runner import DemoOptions, run_demo
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    for chatty in ("httpx", "openai"):  # one line per request would bury the cycle reports
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    out: Path | None = args.out
+    data_dir = out / "data" if out is not None else Path(tempfile.mkdtemp(prefix="kaizen-demo-"))
+    options = DemoOptions(
+        out=out,
+        data_dir=data_dir,
+        models_dir=settings.data_dir / "models",
+        base_model=settings.base_model,
+        minutes=args.minutes,
+        cycle_calls=args.cycle_calls,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    summary = asyncio.run(run_demo(options))
+    sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
+    return 0
 
 
 def cmd_settings(_: argparse.Namespace) -> int:
@@ -378,6 +416,24 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--policy", help="With --once: only this policy.")
     add_settings_flags(worker)
     worker.set_defaults(func=cmd_worker)
+
+    demo = commands.add_parser(
+        "demo",
+        help="Run the whole learning loop on this machine: a simulated app's traffic, feedback, scheduled "
+        "training, the gate and hot reload; prints each cycle's serving version and mean reward.",
+    )
+    demo.add_argument(
+        "--out", type=Path, help="Write demo.json, demo.png and the gateway log here (and keep its data)."
+    )
+    demo.add_argument("--minutes", type=float, default=20.0, help="How long the traffic runs.")
+    demo.add_argument(
+        "--cycle-calls", type=int, default=60, help="Calls per reported cycle (60: every question once)."
+    )
+    demo.add_argument("--rate", type=float, default=0.5, help="Calls per second the simulated app sends.")
+    demo.add_argument("--concurrency", type=int, default=8, help="Most calls the app has in flight at once.")
+    demo.add_argument("--seed", type=int, default=0, help="Seeds the question order and training.")
+    add_settings_flags(demo)
+    demo.set_defaults(func=cmd_demo)
 
     settings = commands.add_parser(
         "settings", help="Print every setting with its default, as a Markdown table."

@@ -197,6 +197,13 @@ class Settings(BaseSettings):
     train_timeout_s: float = Field(
         21600.0, gt=0, description="A training child running longer than this is killed and its run failed."
     )
+    train_sampler: Literal["engine", "local"] = Field(
+        "engine",
+        description="Where `resample` grouping samples its extra replies: `engine` asks the serving engine "
+        "through the gateway at KAIZEN_GATE_URL (the active version as it is served, with vLLM's token ids and "
+        "behaviour logprobs, not captured as traffic); `local` samples with the trainer's own copy of the "
+        "adapter (HF generate), as `engine` does too when KAIZEN_ENGINE_SLEEP_DURING_TRAINING is on.",
+    )
     engine_sleep_during_training: bool = Field(
         False,
         description="One GPU for serving and training: put vLLM to sleep (`/sleep`, `/wake_up`; GPU builds "

@@ -27,10 +27,19 @@ def _require(replies: Sequence[str]) -> None:
         raise ValueError("collapse signals need at least one reply")
 
 
-def distinct_share(replies: Sequence[str]) -> float:
-    """Distinct replies / replies, after collapsing whitespace. 1/n means one constant reply."""
+def distinct_share(replies: Sequence[str], contexts: Sequence[object] | None = None) -> float:
+    """Distinct replies / replies, after collapsing whitespace. 1/n means one constant reply.
+
+    With `contexts` (what each reply answers, e.g. its prompt), repeats of one reply to the same context count
+    once: a model that is sure of each answer has not collapsed; one that gives the same reply to different
+    questions has.
+    """
     _require(replies)
-    return len({_normalise(r) for r in replies}) / len(replies)
+    keys = contexts if contexts is not None else range(len(replies))
+    if len(keys) != len(replies):
+        raise ValueError("one context per reply")
+    answers = {(key, _normalise(reply)) for key, reply in zip(keys, replies, strict=True)}
+    return len({reply for _, reply in answers}) / len(answers)
 
 
 def empty_share(replies: Sequence[str]) -> float:
@@ -81,6 +90,7 @@ def measure(
     replies: Sequence[str],
     token_entropies: Sequence[float] | None = None,
     kl_to_base: float | None = None,
+    contexts: Sequence[object] | None = None,
 ) -> CollapseSignals:
     """Compute every signal for one set of sampled replies."""
     _require(replies)
@@ -89,7 +99,7 @@ def measure(
         entropy = math.fsum(token_entropies) / len(token_entropies)
     return CollapseSignals(
         count=len(replies),
-        distinct_share=distinct_share(replies),
+        distinct_share=distinct_share(replies, contexts),
         empty_share=empty_share(replies),
         mean_length=mean_length(replies),
         repetition=repetition(replies),

@@ -94,6 +94,16 @@ class TrainConfig(BaseModel):
         default_factory=dict, description="Overrides of trainer.collapse.CollapseBounds fields."
     )
 
+    # --- experiment tracking (trainer/tracking.py)
+    tracking: Literal["none", "mlflow", "wandb"] = Field(
+        "none",
+        description="Mirror each run to MLflow or W&B (the `tracking` extra); the destination comes from "
+        "their own env vars (MLFLOW_TRACKING_URI; WANDB_API_KEY, WANDB_MODE, WANDB_DIR).",
+    )
+    tracking_project: str | None = Field(
+        None, min_length=1, description="MLflow experiment / W&B project; default `kaizen-<policy>`."
+    )
+
     # --- bookkeeping
     lock_ttl_s: float = Field(120.0, gt=0, description="A lock not renewed for this long is taken over.")
 

@@ -245,6 +245,7 @@ async def evaluate(
         return result
     rewards: dict[int, list[float]] = {candidate: [], active: []}
     texts: dict[int, list[str]] = {candidate: [], active: []}
+    asked: dict[int, list[int]] = {candidate: [], active: []}  # the context each text answers
     timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
         for index, context in enumerate(contexts):
@@ -265,6 +266,7 @@ async def evaluate(
                     )
                     owners.append(version)
                     texts[version].append(_reply_text(reply))
+                    asked[version].append(index)
             scored = await scorer.score(trajectories)
             if scored.scores is None:
                 result.reasons.append(f"scoring failed on group {context.group}: {scored.error}")
@@ -279,7 +281,8 @@ async def evaluate(
         result.wall_s = time.perf_counter() - started
         return result
     result.candidate_reward, result.active_reward = _mean(rewards[candidate]), _mean(rewards[active])
-    candidate_signals, active_signals = measure(texts[candidate]), measure(texts[active])
+    candidate_signals = measure(texts[candidate], contexts=asked[candidate])
+    active_signals = measure(texts[active], contexts=asked[active])
     result.candidate_signals, result.active_signals = asdict(candidate_signals), asdict(active_signals)
     result.collapse_problems = collapse_problems(candidate_signals, active_signals, config.bounds())
     if result.candidate_reward < result.active_reward - config.tolerance:

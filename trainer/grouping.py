@@ -4,9 +4,11 @@
 * ``prompt``: episodes with the identical context up to the first assistant turn (``calls.context_hash``);
 * ``resample`` (default for production traffic, where a prompt is usually seen once): each selected trajectory
   is the first member of its own group; k-1 more replies to the same context (everything before its final
-  assistant turn) are sampled from the active adapter and scored by the policy's scorer, while the original
-  keeps its own reward. In multi-turn episodes with tool results only the final assistant turn is resampled:
-  re-running the earlier turns would need the tools, which only the client can call.
+  assistant turn) are sampled from the active adapter (through the serving engine, `trainer.engine_sampling`, or
+  the trainer's own copy) and scored by the policy's scorer, while the original keeps its own reward; RULER,
+  which judges replies relative to each other, sees the original too. In multi-turn episodes with tool results
+  only the final assistant turn is resampled: re-running the earlier turns would need the tools, which only the
+  client can call.
 
 Groups whose rewards do not vary are skipped and counted: their advantages are all zero.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -46,9 +49,15 @@ class Sampler(Protocol):
 
 
 class Scorer(Protocol):
-    """Scores generated replies to one context (reward function, scoring webhook or RULER); None = unscored."""
+    """Scores generated replies to one context (reward function, scoring webhook or RULER); None = unscored.
 
-    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]: ...
+    `original` is the captured reply the group started from: it keeps its own reward, but a relative judge
+    needs it in the group to put the new replies on the same scale.
+    """
+
+    async def score(
+        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+    ) -> list[float | None]: ...
 
 
 @dataclass(frozen=True)
@@ -100,13 +109,18 @@ async def resample_groups(
 ) -> list[Group]:
     """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`."""
     groups = []
-    for trajectory in trajectories:
+    started = time.monotonic()
+    for done, trajectory in enumerate(trajectories):
+        if done and done % 8 == 0:
+            logger.info(
+                "resampled %d/%d groups (%.0f s)", done, len(trajectories), time.monotonic() - started
+            )
         # In a worker thread: sampling blocks for seconds, and the lock heartbeat must keep beating.
         samples = await asyncio.to_thread(
             sampler.sample, trajectory.context, trajectory.tools, cfg.group_size - 1
         )
         report.add("resampled_replies", len(samples))
-        scores = await scorer.score(trajectory.context, [s.text for s in samples])
+        scores = await scorer.score(trajectory.context, [s.text for s in samples], trajectory.reply)
         members = [trajectory]
         for sample, score in zip(samples, scores, strict=True):
             if score is None:
@@ -126,6 +140,7 @@ async def resample_groups(
         group = _finalise(trajectory.episode_id, members, cfg, report)
         if group is not None:
             groups.append(group)
+    logger.info("resampled %d groups in %.0f s", len(trajectories), time.monotonic() - started)
     return groups
 
 
@@ -152,6 +167,9 @@ def group_stats(groups: Sequence[Group]) -> dict[str, float]:
 class GroupScorer(Protocol):
     """The shape of ``trainer.scoring.Scorer``: scores a group of whole trajectories at once."""
 
+    @property
+    def source(self) -> str: ...
+
     async def score(self, trajectories: Sequence[Any]) -> Any: ...
 
 
@@ -159,14 +177,17 @@ class PolicyScorer:
     """Adapts the policy's configured scorer (function, webhook or RULER) to score resampled replies.
 
     Each reply becomes a trajectory `context + [reply]`; a scorer failure leaves the whole batch unscored
-    (counted), never stops the run.
+    (counted), never stops the run. RULER (source `judge`) scores relative to the group, so it judges the
+    original reply along with the new ones and the original's score is discarded: it keeps its own reward.
     """
 
     def __init__(self, inner: GroupScorer, policy: str) -> None:
         self.inner = inner
         self.policy = policy
 
-    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]:
+    async def score(
+        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+    ) -> list[float | None]:
         from storage.episodes import Trajectory as ScoredTrajectory
 
         trajectories = [
@@ -177,7 +198,12 @@ class PolicyScorer:
             )
             for i, reply in enumerate(replies)
         ]
-        outcome = await self.inner.score(trajectories)
+        judged = list(trajectories)
+        if self.inner.source == "judge":
+            judged.insert(
+                0, ScoredTrajectory(episode_id="original", messages=[*context, original], policy=self.policy)
+            )
+        outcome = await self.inner.score(judged)
         if outcome.scores is None:
             logger.warning("scorer failed on resampled replies: %s", outcome.error)
             return [None] * len(replies)

@@ -216,10 +216,12 @@ class CollapseMonitor:
 
     def measure(self) -> CollapseSignals:
         replies: list[str] = []
+        asked: list[int] = []  # the context each reply answers
         entropies: list[float] = []
         kl_sum, kl_count = 0.0, 0
-        for samples in self.sampler.sample_many(self.contexts, self.cfg.collapse_samples):
+        for index, samples in enumerate(self.sampler.sample_many(self.contexts, self.cfg.collapse_samples)):
             replies.extend(s.text for s in samples)
+            asked.extend([index] * len(samples))
             rows = [
                 TokenizedSample(
                     s.prompt_token_ids + s.token_ids,
@@ -251,7 +253,7 @@ class CollapseMonitor:
             entropies.extend(float(v) for v in entropy[mask])
             kl_sum += float((policy_lp - base_lp)[mask].sum())
             kl_count += int(mask.sum())
-        return measure(replies, entropies, kl_sum / kl_count if kl_count else None)
+        return measure(replies, entropies, kl_sum / kl_count if kl_count else None, contexts=asked)
 
     def start(self) -> CollapseSignals:
         """Measure the active adapter before any update: the baseline ratios are taken against."""

@@ -36,8 +36,10 @@ from storage.training import (
 )
 from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
+from trainer.engine_sampling import EngineEndpoint
 from trainer.gate import GateConfig, is_held_out
 from trainer.grouping import Group, Sampler, Scorer, group_by_column, group_stats, resample_groups
+from trainer.tracking import Tracker, open_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ class TrainingBusy(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainRequest:
-    """What a run needs besides the database: the policy, where files go, and the resample scorer."""
+    """What a run needs besides the database: the policy, where files go, and how `resample` groups are made."""
 
     policy: str
     data_dir: Path
@@ -59,6 +61,9 @@ class TrainRequest:
     until: datetime | None = None
     #: Scores resampled replies; required for `resample` grouping.
     scorer: Scorer | None = None
+    #: Where resampled replies come from: the serving engine behind this gateway URL (exact behaviour logprobs
+    #: of what is served), or None for the trainer's own copy of the adapter (`LocalSampler`).
+    sampler: EngineEndpoint | None = None
     device: str | None = None
 
 
@@ -143,9 +148,14 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             await session.commit()
             await renew_lock(session, policy.id, owner, cfg.lock_ttl_s, run_id=run_id)
         logger.info("training run %d of policy %s started (grouping %s)", run_id, policy.name, cfg.grouping)
+        tracker = Tracker()
         async with _heartbeat(db, policy.id, owner, cfg.lock_ttl_s, stop):
             try:
-                return await _train(db, policy, cfg, request, run_id, stop)
+                # Inside the heartbeat: an unreachable tracking server can take its client minutes to give up.
+                tracker = await asyncio.to_thread(
+                    open_tracker, cfg, policy=policy.name, run_id=run_id, from_version=policy.active_version
+                )
+                outcome = await _train(db, policy, cfg, request, run_id, stop)
             except BaseException as exc:
                 stop.set()  # a worker thread still in the update loop stops at its next micro-batch
                 reason = (
@@ -157,7 +167,12 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
                 async with db.session() as session:
                     await finish_run(session, run_id, status="failed", metrics={}, error=reason)
                     await session.commit()
+                await asyncio.to_thread(tracker.finish, "failed", {}, error=reason)
                 raise
+            await asyncio.to_thread(
+                tracker.finish, outcome.status, outcome.metrics, version=outcome.version, error=outcome.error
+            )
+            return outcome
     finally:
         async with db.session() as session:
             await release_lock(session, policy.id, owner)
@@ -215,9 +230,22 @@ async def _train(
     groups: list[Group]
     if cfg.grouping == "resample":
         assert request.scorer is not None
-        sampler: Sampler = LocalSampler(
-            model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
-        )
+        sampler: Sampler
+        if request.sampler is not None:
+            # The version the trainer loaded; a policy without one is served (and trained from) the base model.
+            served = (
+                f"{policy.name}@{policy.active_version}"
+                if policy.active_version is not None
+                else policy.base_model
+            )
+            logger.info("resampling %s through the serving engine at %s", served, request.sampler.base_url)
+            sampler = request.sampler.sampler(
+                served, tokenizer, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature
+            )
+        else:
+            sampler = LocalSampler(
+                model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
+            )
         groups = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
     else:
         groups = group_by_column(trajectories, cfg, report)

@@ -3,8 +3,9 @@
 The final assistant turn carries the loss on exactly the ids that were sampled, with their behaviour logprobs.
 Earlier assistant turns carry loss too when the ids their own call sampled are found at the expected place in
 the final prompt (the chat template rendered them back unchanged); otherwise they stay context, like tool and
-user turns. A call without captured ids (capture-only upstream traffic) is re-tokenised with the chat template,
-flagged, and its behaviour logprobs are unknown (importance weight 1).
+user turns. A reply whose ids were captured without the prompt's keeps its ids and logprobs on a context rendered
+with the chat template (counted). A call without captured ids (capture-only upstream traffic) is re-tokenised
+with the chat template, flagged, and its behaviour logprobs are unknown (importance weight 1).
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ def _template_ids(
     return [int(i) for i in ids]
 
 
+def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    """The context as the engine renders it for sampling: the chat template with the generation prompt."""
+    return _template_ids(tokenizer, messages, tools, generation=True)
+
+
 def retokenise(tokenizer: Any, trajectory: Trajectory) -> tuple[list[int], list[int]]:
     """Prompt and reply ids from text: the fallback for traffic captured without token ids."""
-    prompt = _template_ids(tokenizer, trajectory.context, trajectory.tools, generation=True)
+    prompt = prompt_ids(tokenizer, trajectory.context, trajectory.tools)
     full = _template_ids(
         tokenizer, [*trajectory.context, trajectory.reply], trajectory.tools, generation=False
     )
@@ -72,8 +78,15 @@ def tokenize(
     trajectory: Trajectory, advantage: float, tokenizer: Any, cfg: TrainConfig, report: DataReport
 ) -> TokenizedSample | None:
     """One training sample, or None (counted) when it is over length under `drop` or has no reply tokens."""
-    if trajectory.prompt_token_ids is not None and trajectory.completion_token_ids:
-        prompt = list(trajectory.prompt_token_ids)
+    retokenised = not trajectory.completion_token_ids
+    if trajectory.completion_token_ids:
+        if trajectory.prompt_token_ids is not None:
+            prompt = list(trajectory.prompt_token_ids)
+        else:
+            # The sampled ids are known but not the prompt's: the context is rendered with the chat template,
+            # the reply stays exactly what was sampled.
+            report.add("context_from_template")
+            prompt = prompt_ids(tokenizer, trajectory.context, trajectory.tools)
         reply = list(trajectory.completion_token_ids)
         reply_lps: list[float | None] = (
             list(trajectory.completion_logprobs)
@@ -89,7 +102,7 @@ def tokenize(
         reply_lps = [None] * len(reply)
     mask = [False] * len(prompt)
     behaviour: list[float | None] = [None] * len(prompt)
-    if trajectory.prompt_token_ids is not None:
+    if not retokenised:
         _mark_earlier_turns(prompt, trajectory, mask, behaviour, report)
     ids = prompt + reply
     mask += [True] * len(reply)

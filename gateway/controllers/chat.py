@@ -20,7 +20,12 @@ class ChatController(Controller):
         self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers)
-        headers = {"x-request-id": ctx.call_id, "x-episode-id": ctx.episode_id}
+        # x-kaizen-model: what actually served the call (`policy@N` for a policy), so clients can tell versions apart.
+        headers = {
+            "x-request-id": ctx.call_id,
+            "x-episode-id": ctx.episode_id,
+            "x-kaizen-model": ctx.route.engine_model,
+        }
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)

@@ -245,6 +245,7 @@ def test_policy_versions_are_served_by_name(vllm_server: VLLMServer) -> None:
     )
     row = stored(vllm_server, raw.headers["x-request-id"])
     assert (row["policy"], row["adapter_version"], row["engine_model"]) == ("bot", 1, "bot@1")
+    assert raw.headers["x-kaizen-model"] == "bot@1"
 
     missing = httpx.post(
         vllm_server.gateway.url + "/v1/chat/completions", json={"model": "bot@9", "messages": PROMPT}

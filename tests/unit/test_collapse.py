@@ -104,3 +104,15 @@ def test_short_nonsense_and_entropy_drop_are_flagged_against_baseline() -> None:
     # looser bounds let the same set pass
     loose = CollapseBounds(min_length_ratio=0.01, min_entropy_ratio=0.01)
     assert check(now, loose, base) == []
+
+
+def test_distinct_share_counts_a_sure_answer_to_one_question_once() -> None:
+    sure = ["cold", "cold", "cold", "small", "small", "small"]
+    asked = ["hot", "hot", "hot", "big", "big", "big"]
+    assert distinct_share(sure) == pytest.approx(2 / 6)  # pooled, confidence looks like collapse
+    assert distinct_share(sure, asked) == 1.0  # per question, each answer counts once
+    constant = ["cold"] * 6  # the same reply whatever the question: collapse either way
+    assert distinct_share(constant, asked) == pytest.approx(1 / 2)
+    assert measure(sure, contexts=asked).distinct_share == 1.0
+    with pytest.raises(ValueError, match="one context per reply"):
+        distinct_share(sure, asked[:2])

@@ -136,7 +136,9 @@ class FixedSampler:
 
 
 class LengthScorer:
-    async def score(self, context: list[dict[str, Any]], replies: list[str]) -> list[float | None]:
+    async def score(
+        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+    ) -> list[float | None]:
         return [None if r.endswith("2") else float(r.endswith("1")) for r in replies]
 
 

@@ -1,0 +1,80 @@
+"""What the demo measures per cycle of traffic, and the files it leaves behind (`demo.json`, `demo.png`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.demo.traffic import CallResult
+from trainer.collapse import distinct_share, empty_share
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One batch of live traffic: which version served it and how well it did."""
+
+    cycle: int
+    version: int | None  # the version that served most of the cycle's calls
+    mean_reward: float
+    n_calls: int
+    elapsed_s: float  # since the traffic started, at the end of the cycle
+    distinct_share: float  # distinct replies, a repeated answer to the same question counted once
+    empty_share: float
+    errors: int
+    versions: dict[str, int] = field(default_factory=dict)  # calls per serving version
+
+
+def summarise(index: int, calls: Sequence[CallResult]) -> Cycle:
+    answered = [c for c in calls if c.error is None]
+    counts = Counter(c.version for c in answered)
+    replies = [c.reply for c in answered] or [""]
+    return Cycle(
+        cycle=index,
+        version=counts.most_common(1)[0][0] if counts else None,
+        mean_reward=sum(c.reward for c in calls) / len(calls) if calls else 0.0,
+        n_calls=len(calls),
+        elapsed_s=round(max((c.finished_s for c in calls), default=0.0), 1),
+        distinct_share=distinct_share(replies, [c.question for c in answered] or ["-"]),
+        empty_share=empty_share(replies),
+        errors=len(calls) - len(answered),
+        versions={str(v): n for v, n in sorted(counts.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))},
+    )
+
+
+def write_json(path: Path, cycles: Sequence[Cycle], summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps({"summary": summary, "cycles": [asdict(c) for c in cycles]}, indent=2) + "\n")
+
+
+def write_chart(path: Path, cycles: Sequence[Cycle], title: str) -> None:
+    """Reward of live traffic over time; each promotion is a vertical line labelled with the new version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [c.elapsed_s / 60 for c in cycles]
+    figure, axes = plt.subplots(figsize=(9, 4.5), dpi=120)
+    axes.plot(minutes, [c.mean_reward for c in cycles], marker="o", color="tab:blue", label="mean reward")
+    axes.plot(minutes, [c.distinct_share for c in cycles], ls=":", color="tab:green", label="distinct share")
+    previous = cycles[0].version if cycles else None
+    for minute, cycle in zip(minutes, cycles, strict=True):
+        if cycle.version != previous:
+            axes.axvline(minute, color="tab:gray", ls="--", lw=0.8)
+            axes.annotate(f"v{cycle.version}", (minute, 1.02), ha="center", fontsize=8, color="tab:gray")
+            previous = cycle.version
+    axes.set_ylim(0, 1.08)
+    axes.set_xlabel("minutes of live traffic")
+    axes.set_ylabel("per cycle")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

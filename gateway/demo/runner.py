@@ -1,0 +1,341 @@
+"""Runs the demo: a real gateway (`kaizen serve`, vLLM on this machine) in a child process, a policy whose
+schedule trains on a threshold of new rewarded episodes, and the simulated app's traffic in cycles until the
+time is up. Everything goes through HTTP, as it would for a user."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.base_models import resolve_base_model
+from gateway.demo.report import Cycle, summarise, write_chart, write_json
+from gateway.demo.task import questions
+from gateway.demo.traffic import SimulatedApp
+
+logger = logging.getLogger(__name__)
+
+POLICY = "demo"
+TARGET_REWARD = 0.8
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out: Path | None  # demo.json, demo.png and gateway.log go here
+    data_dir: Path  # the demo gateway's own data (database, adapters); not the user's
+    models_dir: Path  # where the base model is (pulled once, shared with the user's gateway)
+    base_model: str
+    minutes: float = 20.0
+    cycle_calls: int = 60  # the task has 60 questions: every cycle asks each exactly once
+    rate: float = 0.5  # calls per second: steady user traffic that leaves CPU for training
+    concurrency: int = 8
+    max_tokens: int = 16
+    seed: int = 0
+    learning_rate: float = 3e-4
+
+
+def policy_config(options: DemoOptions) -> dict[str, Any]:
+    """The demo policy: production-style `resample` groups over the newest rewarded episodes, trained as soon
+    as a handful arrive, scored by the task's reward function where nobody gave feedback, and guarded by the
+    evaluation gate on held-out questions."""
+    return {
+        "train": {
+            "grouping": "resample",
+            "group_size": 8,
+            "max_episodes": 16,  # the newest 16 rewarded episodes + 7 resamples each: four steps of 32 replies
+            "max_new_tokens": options.max_tokens,
+            "learning_rate": options.learning_rate,
+            "micro_batch_size": 8,
+            "grad_accumulation": 4,
+            "collapse_check_every": 0,
+            "collapse_prompts": 4,
+            "collapse_samples": 4,
+            "collapse_max_new_tokens": options.max_tokens,
+            "seed": options.seed,
+        },
+        "rewards": {"scorer": {"function": "gateway.demo.task:score"}},
+        "schedule": {
+            "judge_interval_s": None,
+            "train_cron": None,
+            "train_min_new_episodes": 16,
+            "threshold_check_s": 2,
+            "retention": {"cron": None},
+        },
+        "gate": {
+            "holdout_fraction": 0.1,
+            "max_groups": 8,
+            "samples": 8,  # 8 contexts x 8 replies per version: the means are precise to about ±0.07
+            "max_tokens": options.max_tokens,
+            "tolerance": 0.05,
+        },
+    }
+
+
+def split_cores(env: dict[str, str], cpus: int) -> None:
+    """Give vLLM the first half of the cores and training the rest, unless the user chose already: on a small
+    machine, OpenMP threads of both competing for every core slow each of them down far more than halving."""
+    if cpus < 2:
+        return
+    serving = cpus // 2
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if serving == 1 else f"0-{serving - 1}")
+    env.setdefault("OMP_NUM_THREADS", str(cpus - serving))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class GatewayProcess:
+    """`kaizen serve` in a child process with the demo's settings; its log goes to a file."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+
+    async def wait_ready(self, url: str, timeout_s: float = 900) -> None:
+        started = time.monotonic()
+        next_note = started + 10
+        async with httpx.AsyncClient(timeout=5) as client:
+            while True:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"the gateway exited with {self.process.returncode}; see {self.log_path}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{url}/readyz")).status_code == 200:
+                        return
+                now = time.monotonic()
+                if now - started > timeout_s:
+                    raise RuntimeError(
+                        f"the gateway was not ready after {timeout_s:.0f} s; see {self.log_path}"
+                    )
+                if now >= next_note:
+                    logger.info("waiting for the gateway and vLLM to start... %.0f s", now - started)
+                    next_note = now + 10
+                await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            logger.warning("the gateway did not stop in 90 s; killing it")
+            self.process.kill()
+            self.process.wait()
+
+
+def _promotion_regressions(cycles: list[Cycle], window: int = 2) -> list[float]:
+    """For each change of serving version: mean reward of up to `window` cycles before it minus after it."""
+    drops = []
+    for i in range(1, len(cycles)):
+        if cycles[i].version != cycles[i - 1].version:
+            before = [c.mean_reward for c in cycles[max(0, i - window) : i]]
+            after = [c.mean_reward for c in cycles[i : i + window]]
+            drops.append(round(sum(before) / len(before) - sum(after) / len(after), 4))
+    return drops
+
+
+def summarise_run(cycles: list[Cycle], options: DemoOptions) -> dict[str, Any]:
+    """The numbers the README quotes, and whether each target was met."""
+    base = [c for c in cycles if c.version == 0] or cycles[:1]
+    base_reward = sum(c.mean_reward for c in base) / len(base) if base else 0.0
+    base_distinct = sum(c.distinct_share for c in base) / len(base) if base else 0.0
+    reached = next((c for c in cycles if c.mean_reward >= TARGET_REWARD), None)
+    regressions = _promotion_regressions(cycles)
+    after_base = [c for c in cycles if c.version not in (0, None)]
+    last = cycles[-3:]
+    return {
+        "minutes": options.minutes,
+        "cycles": len(cycles),
+        "calls": sum(c.n_calls for c in cycles),
+        "base_reward": round(base_reward, 4),
+        "final_reward": round(sum(c.mean_reward for c in last) / len(last), 4) if last else None,
+        "best_reward": max((c.mean_reward for c in cycles), default=None),
+        "reached_target_at_s": reached.elapsed_s if reached else None,
+        "versions_served": sorted({c.version for c in cycles if c.version is not None}),
+        "promotion_regressions": regressions,
+        "base_distinct_share": round(base_distinct, 4),
+        "min_distinct_share_after_base": min((c.distinct_share for c in after_base), default=None),
+        "max_empty_share": max((c.empty_share for c in cycles), default=None),
+        "targets": {
+            "reward_0.8_within_20_min": reached is not None and reached.elapsed_s <= 20 * 60,
+            "no_regression_over_0.05_at_promotion": all(d <= 0.05 for d in regressions),
+            "distinct_share_at_least_half_base": all(
+                c.distinct_share >= 0.5 * base_distinct for c in after_base
+            ),
+            "empty_share_under_1pct": all(c.empty_share < 0.01 for c in cycles),
+        },
+        "settings": {
+            "cycle_calls": options.cycle_calls,
+            "rate": options.rate,
+            "concurrency": options.concurrency,
+            "max_tokens": options.max_tokens,
+            "seed": options.seed,
+            "policy_config": policy_config(options),
+        },
+    }
+
+
+async def _wait_for_model(url: str, api_key: str, model: str, timeout_s: float = 60) -> None:
+    """A new policy is served once the gateway's next policy refresh has seen it."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {api_key}"}) as client:
+        while time.monotonic() < deadline:
+            listed = await client.get(f"{url}/v1/models")
+            if listed.status_code == 200 and model in {m["id"] for m in listed.json()["data"]}:
+                return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"{model!r} never appeared in /v1/models")
+
+
+async def _new_runs(http: httpx.AsyncClient, url: str, seen: set[int]) -> list[dict[str, Any]]:
+    response = await http.get(f"{url}/admin/runs", params={"policy": POLICY, "kind": "train"})
+    if response.status_code != 200:
+        return []
+    finished = [r for r in response.json() if r["finished_at"] and r["id"] not in seen]
+    seen.update(r["id"] for r in finished)
+    return sorted(finished, key=lambda r: r["id"])
+
+
+def _describe_run(run: dict[str, Any]) -> str:
+    gate = run["metrics"].get("gate") or {}
+    text = f"training run {run['id']}: {run['status']}"
+    if run.get("to_version") is not None:
+        text += f", candidate v{run['to_version']}"
+    if gate:
+        text += (
+            f", gate {gate.get('decision')} (reward {gate.get('candidate_reward')} vs "
+            f"{gate.get('active_reward')})"
+        )
+        if gate.get("reasons"):
+            text += f": {'; '.join(gate['reasons'])[:200]}"
+    elif run.get("error"):
+        text += f" ({run['error'][:200]})"
+    return text
+
+
+async def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Start everything, run traffic cycles for `options.minutes`, stop, and write the report."""
+    out = options.out
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    options.data_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("base model: %s", options.base_model)
+    base_path = await asyncio.to_thread(resolve_base_model, options.base_model, options.models_dir)
+    port = _free_port()
+    api_key, admin_key, secret = (secrets.token_hex(16) for _ in range(3))
+    env = {
+        **os.environ,
+        "KAIZEN_DATA_DIR": str(options.data_dir),
+        "KAIZEN_DATABASE_URL": f"sqlite:///{options.data_dir / 'kaizen.db'}",
+        "KAIZEN_HOST": "127.0.0.1",
+        "KAIZEN_PORT": str(port),
+        "KAIZEN_ENGINE": "vllm",
+        "KAIZEN_BASE_MODEL": base_path,
+        "KAIZEN_API_KEYS": api_key,
+        "KAIZEN_ADMIN_KEY": admin_key,
+        "KAIZEN_FEEDBACK_SECRET": secret,
+        "KAIZEN_POLICY_REFRESH_S": "1",
+        "KAIZEN_SCHEDULER": "true",
+        "KAIZEN_SCHEDULER_REFRESH_S": "2",
+    }
+    # SIGTERM ends the demo like Ctrl-C does: through the `finally` below, so the gateway and vLLM stop too.
+    current = asyncio.current_task()
+    if current is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    split_cores(env, os.cpu_count() or 1)
+    log_path = (out or options.data_dir) / "gateway.log"
+    url = f"http://127.0.0.1:{port}"
+    gateway = GatewayProcess(env, log_path)
+    logger.info("starting the gateway on %s (log: %s)", url, log_path)
+    gateway.start()
+    cycles: list[Cycle] = []
+    summary: dict[str, Any] = {}
+    admin = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {admin_key}"})
+    app: SimulatedApp | None = None
+    try:
+        await gateway.wait_ready(url)
+        created = await admin.post(
+            f"{url}/admin/policies", json={"name": POLICY, "config": policy_config(options)}
+        )
+        if created.status_code != 201:
+            raise RuntimeError(f"creating the demo policy failed: {created.status_code} {created.text}")
+        await _wait_for_model(url, api_key, POLICY)
+        logger.info("policy %r created (version 0 = the base model); traffic starts", POLICY)
+        app = SimulatedApp(
+            f"{url}/v1",
+            api_key,
+            secret,
+            questions(),
+            model=POLICY,
+            rate=options.rate,
+            concurrency=options.concurrency,
+            max_tokens=options.max_tokens,
+            seed=options.seed,
+        )
+        seen_runs: set[int] = set()
+        deadline = time.monotonic() + options.minutes * 60
+        while time.monotonic() < deadline:
+            cycle = summarise(len(cycles) + 1, await app.cycle(options.cycle_calls))
+            cycles.append(cycle)
+            logger.info(
+                "cycle %3d  %6.0f s  served by v%s  mean reward %.3f  (%d calls, distinct %.2f, empty %.2f%s)",
+                cycle.cycle,
+                cycle.elapsed_s,
+                cycle.version,
+                cycle.mean_reward,
+                cycle.n_calls,
+                cycle.distinct_share,
+                cycle.empty_share,
+                f", {cycle.errors} errors" if cycle.errors else "",
+            )
+            for run in await _new_runs(admin, url, seen_runs):
+                logger.info("  %s", _describe_run(run))
+            summary = summarise_run(cycles, options)
+            if out is not None:
+                write_json(out / "demo.json", cycles, summary)
+    finally:
+        if app is not None:
+            await app.close()
+        await admin.aclose()
+        logger.info("stopping the gateway")
+        await asyncio.to_thread(gateway.stop)
+    if out is not None and cycles:
+        write_json(out / "demo.json", cycles, summary)
+        write_chart(
+            out / "demo.png",
+            cycles,
+            f"kaizen demo: live reward, base {summary['base_reward']:.2f} -> "
+            f"{summary['final_reward']:.2f} in {cycles[-1].elapsed_s / 60:.0f} min",
+        )
+        logger.info("wrote %s and %s", out / "demo.json", out / "demo.png")
+    return summary

@@ -1,0 +1,123 @@
+"""The simulated app: asks the task's questions through the gateway with the `openai` SDK and sends every reply's
+reward back through the signed feedback webhook, exactly as a production app with a thumbs-up button would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+from openai import AsyncOpenAI
+
+from gateway.demo.task import Question, reward
+from trainer.signing import HEADER, sign
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CallResult:
+    question: str
+    reply: str
+    reward: float
+    version: int | None  # the policy version that served the call (from `x-kaizen-model`)
+    finished_s: float  # seconds since the app started
+    error: str | None = None
+
+
+def served_version(header: str | None) -> int | None:
+    """`demo@3` -> 3; None for the base model or a missing header."""
+    if not header or "@" not in header:
+        return None
+    suffix = header.rsplit("@", 1)[1]
+    return int(suffix) if suffix.isdigit() else None
+
+
+class SimulatedApp:
+    """Sends calls at a steady rate; questions come round-robin from a shuffled pool, so a cycle of as many
+    calls as there are questions asks each one exactly once."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        feedback_secret: str,
+        questions: list[Question],
+        *,
+        model: str,
+        rate: float,
+        concurrency: int,
+        max_tokens: int,
+        seed: int,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = AsyncOpenAI(base_url=self.base_url, api_key=api_key, max_retries=5, timeout=300)
+        self.http = httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {api_key}"})
+        self.feedback_secret = feedback_secret
+        self.questions = questions
+        self.model = model
+        self.rate = rate
+        self.concurrency = concurrency
+        self.max_tokens = max_tokens
+        self.random = random.Random(seed)
+        self.pool: list[Question] = []
+        self.started = time.monotonic()
+
+    def _next_question(self) -> Question:
+        if not self.pool:
+            self.pool = list(self.questions)
+            self.random.shuffle(self.pool)
+        return self.pool.pop()
+
+    async def cycle(self, calls: int) -> list[CallResult]:
+        """Send `calls` calls at `rate` per second (at most `concurrency` in flight) with their feedback; return
+        when all are answered and rewarded. A steady rate, like real users, leaves the CPU to training too."""
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def one(question: Question) -> CallResult:
+            async with slots:
+                return await self._call(question)
+
+        tasks = []
+        for _ in range(calls):
+            tasks.append(asyncio.create_task(one(self._next_question())))
+            await asyncio.sleep(1 / self.rate)
+        return list(await asyncio.gather(*tasks))
+
+    async def _call(self, question: Question) -> CallResult:
+        try:
+            raw = await self.client.chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=[{"role": "user", "content": question.prompt}],
+                max_tokens=self.max_tokens,
+                temperature=1.0,
+                metadata={"group_key": question.key},
+            )
+        except Exception as exc:  # counted in the cycle's errors; the demo goes on like an app would
+            logger.warning("call failed: %s", exc)
+            return CallResult(question.key, "", 0.0, None, self._now(), error=str(exc))
+        completion = raw.parse()
+        reply = completion.choices[0].message.content or ""
+        value = reward(reply, question)
+        await self._feedback(raw.headers["x-request-id"], value)
+        return CallResult(
+            question.key, reply, value, served_version(raw.headers.get("x-kaizen-model")), self._now()
+        )
+
+    async def _feedback(self, request_id: str, value: float) -> None:
+        body = json.dumps({"request_id": request_id, "value": value, "name": "user"}).encode()
+        headers = {"Content-Type": "application/json", HEADER: sign(self.feedback_secret, body)}
+        response = await self.http.post(f"{self.base_url}/feedback", content=body, headers=headers)
+        if response.status_code >= 400:
+            logger.warning("feedback refused (%d): %s", response.status_code, response.text[:200])
+
+    def _now(self) -> float:
+        return time.monotonic() - self.started
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.http.aclose()

@@ -1,0 +1,123 @@
+"""The demo's task must reward content, not format; its report must say what the README quotes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gateway.demo.report import Cycle, summarise, write_chart, write_json
+from gateway.demo.runner import DemoOptions, policy_config, summarise_run
+from gateway.demo.task import PAIRS, questions, reward, score
+from gateway.demo.traffic import CallResult, served_version
+from trainer.config import TrainConfig
+from trainer.gate import GateConfig
+from trainer.policy_config import reward_config
+from trainer.schedule_config import ScheduleConfig
+
+QUESTIONS = questions()
+HOT = next(q for q in QUESTIONS if q.word == "hot")
+
+
+def test_the_right_opposite_scores_in_any_phrasing() -> None:
+    assert reward("cold", HOT) == 1.0
+    assert reward('The opposite of "hot" is "cold".', HOT) == 1.0
+    assert reward("Cold!", HOT) == 1.0
+
+
+def test_wrong_empty_hedged_and_off_topic_replies_score_nothing() -> None:
+    assert reward("warm", HOT) == 0.0
+    assert reward("", HOT) == 0.0
+    assert reward(None, HOT) == 0.0
+    assert reward("cold or small or slow", HOT) == 0.0  # covering bets with several answers
+    assert reward("I like turtles.", HOT) == 0.0
+
+
+@pytest.mark.parametrize("constant", ["cold", "", "The answer is yes.", "small slow cold"])
+def test_a_constant_reply_scores_at_most_a_fifth(constant: str) -> None:
+    mean = sum(reward(constant, q) for q in QUESTIONS) / len(QUESTIONS)
+    assert mean <= 0.2
+
+
+def test_questions_are_unique_and_score_reads_the_trajectory() -> None:
+    assert len({q.key for q in QUESTIONS}) == len(QUESTIONS) == len(PAIRS) == 60
+    trajectory = {
+        "messages": [
+            {"role": "user", "content": HOT.prompt},
+            {"role": "assistant", "content": "It is cold."},
+        ]
+    }
+    assert score(trajectory) == 1.0
+    with pytest.raises(ValueError, match="not a demo task"):
+        score({"messages": [{"role": "user", "content": "What is 2+2?"}]})
+
+
+def test_served_version_comes_from_the_header() -> None:
+    assert served_version("demo@3") == 3
+    assert served_version("smollm2-135m-instruct") is None
+    assert served_version(None) is None
+
+
+def test_the_demo_policy_config_is_valid_for_every_section() -> None:
+    config = policy_config(DemoOptions(None, Path("d"), Path("m"), "smollm2-135m-instruct"))
+    assert TrainConfig.from_policy_config(config).grouping == "resample"
+    assert ScheduleConfig.from_policy_config(config).train_min_new_episodes == 16
+    assert GateConfig.from_policy_config(config).holdout_fraction > 0
+    assert reward_config(config).scorer.kind == "function"
+
+
+def call(question: str, reply: str, value: float, version: int | None, at: float) -> CallResult:
+    return CallResult(question, reply, value, version, at)
+
+
+def test_a_cycle_summary_counts_versions_and_diversity() -> None:
+    calls = [
+        call("a", "cold", 1.0, 1, 10.0),
+        call("a", "cold", 1.0, 1, 11.0),  # the same answer to the same question is not a lack of diversity
+        call("b", "small", 0.0, 0, 12.0),
+        call("c", "", 0.0, 1, 13.0),
+        CallResult("d", "", 0.0, None, 14.0, error="boom"),
+    ]
+    cycle = summarise(4, calls)
+    assert cycle.cycle == 4 and cycle.version == 1 and cycle.n_calls == 5 and cycle.errors == 1
+    assert cycle.mean_reward == pytest.approx(2 / 5)
+    assert cycle.distinct_share == 1.0
+    assert cycle.empty_share == pytest.approx(1 / 4)
+    assert cycle.versions == {"0": 1, "1": 3}
+    assert cycle.elapsed_s == 14.0
+
+
+def cycle(index: int, version: int, reward_: float, distinct: float = 1.0) -> Cycle:
+    return Cycle(index, version, reward_, 60, 60.0 * index, distinct, 0.0, 0)
+
+
+def test_run_summary_checks_every_target(tmp_path: Path) -> None:
+    options = DemoOptions(tmp_path, tmp_path / "data", tmp_path, "smollm2-135m-instruct")
+    cycles = [
+        cycle(1, 0, 0.2),
+        cycle(2, 0, 0.3),
+        cycle(3, 1, 0.5),
+        cycle(4, 1, 0.6),
+        cycle(5, 2, 0.85, distinct=0.9),
+        cycle(6, 2, 0.9),
+    ]
+    summary = summarise_run(cycles, options)
+    assert summary["base_reward"] == pytest.approx(0.25)
+    assert summary["reached_target_at_s"] == 300.0
+    assert summary["versions_served"] == [0, 1, 2]
+    assert summary["promotion_regressions"] == [pytest.approx(-0.3), pytest.approx(-0.325)]
+    assert all(summary["targets"].values())
+
+    regressed = [*cycles, cycle(7, 3, 0.5), cycle(8, 3, 0.5, distinct=0.3)]
+    targets = summarise_run(regressed, options)["targets"]
+    assert not targets["no_regression_over_0.05_at_promotion"]
+    assert not targets["distinct_share_at_least_half_base"]
+
+    write_json(tmp_path / "demo.json", cycles, summary)
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert {"version", "mean_reward", "n_calls", "elapsed_s", "distinct_share", "empty_share"} <= set(
+        saved["cycles"][0]
+    )
+    write_chart(tmp_path / "demo.png", cycles, "test")
+    assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,190 @@
+"""Resampling through the serving engine: what is asked of the gateway, how its answer becomes exact samples, and
+RULER judging the resamples together with the original reply."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from storage.episodes import Trajectory as ScoredTrajectory
+from tests.support.postgres import free_port
+from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
+from trainer.config import TrainConfig
+from trainer.dataset import DataReport
+from trainer.engine_sampling import EngineEndpoint, EngineSamplingError, parse_choices
+from trainer.grouping import PolicyScorer, resample_groups
+from trainer.scoring import GroupScore, Score
+from trainer.tokens import tokenize
+
+
+def choice(index: int, tokens: list[tuple[int, float]], content: str | None = "hi") -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content},
+        "finish_reason": "stop",
+        "logprobs": {
+            "content": [
+                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in tokens
+            ]
+        },
+    }
+
+
+def test_token_id_strings_become_ids_with_their_logprobs() -> None:
+    response = {
+        "choices": [choice(0, [(61, -4.25), (2, -0.2)], "Red."), choice(1, [(7, float("-inf"))], None)]
+    }
+    first, second = parse_choices(response, [1, 2, 3])
+    assert (first.text, first.prompt_token_ids, first.token_ids, first.logprobs) == (
+        "Red.",
+        [1, 2, 3],
+        [61, 2],
+        [-4.25, -0.2],
+    )
+    assert (second.text, second.token_ids, second.logprobs) == ("", [7], [-9999.0])
+
+
+def test_text_tokens_or_missing_logprobs_are_refused() -> None:
+    text_token = {
+        "choices": [{"message": {"content": "a"}, "logprobs": {"content": [{"token": "a", "logprob": -1}]}}]
+    }
+    with pytest.raises(EngineSamplingError, match="return_tokens_as_token_ids"):
+        parse_choices(text_token, [])
+    with pytest.raises(EngineSamplingError, match="without logprobs"):
+        parse_choices({"choices": [{"message": {"content": "a"}, "logprobs": None}]}, [])
+
+
+class FakeGateway:
+    """A stand-in for the gateway's /v1/chat/completions: answers `not_found` 404s first, then `n` choices."""
+
+    def __init__(self, not_found: int = 0) -> None:
+        self.not_found = not_found
+        self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                if owner.not_found > 0:
+                    owner.not_found -= 1
+                    self._answer(404, {"error": {"message": "no version 3 yet"}})
+                    return
+                choices = [choice(i, [(10 + i, -0.5), (2, -0.1)], f"reply {i}") for i in range(body["n"])]
+                self._answer(200, {"choices": choices, "usage": {"prompt_tokens": 4}})
+
+            def _answer(self, status: int, payload: dict[str, Any]) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+
+@pytest.fixture
+def fake_gateway() -> Iterator[FakeGateway]:
+    gateway = FakeGateway(not_found=1)
+    thread = threading.Thread(target=gateway.server.serve_forever, daemon=True)
+    thread.start()
+    yield gateway
+    gateway.server.shutdown()
+
+
+def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_gateway: FakeGateway) -> None:
+    endpoint = EngineEndpoint(fake_gateway.url, "sk-test", max_n=4, wait_s=10)
+    sampler = endpoint.sampler("bot@3", Template(), max_tokens=16, temperature=0.7)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    samples = sampler.sample([{"role": "user", "content": "q"}], tools, 7)
+    assert [s.token_ids for s in samples] == [[10, 2], [11, 2], [12, 2], [13, 2], [10, 2], [11, 2], [12, 2]]
+    assert all(s.prompt_token_ids == [100, 1, 101] and s.logprobs == [-0.5, -0.1] for s in samples)
+    # one 404 (a version the gateway does not know yet) retried, then n=7 split by the gateway's max_n
+    assert [body["n"] for _, body in fake_gateway.requests] == [4, 4, 3]
+    headers, body = fake_gateway.requests[-1]
+    assert headers["x-kaizen-no-log"] == "true" and headers["authorization"] == "Bearer sk-test"
+    assert body["model"] == "bot@3" and body["tools"] == tools
+    assert (
+        body["max_tokens"],
+        body["temperature"],
+        body["logprobs"],
+        body["return_tokens_as_token_ids"],
+    ) == (
+        16,
+        0.7,
+        True,
+        True,
+    )
+
+
+def test_an_unreachable_gateway_fails_naming_the_url_and_the_local_sampler() -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    sampler = EngineEndpoint(url, wait_s=0.2).sampler("bot@1", Template(), max_tokens=4, temperature=1.0)
+    with pytest.raises(EngineSamplingError, match="KAIZEN_TRAIN_SAMPLER=local") as caught:
+        sampler.sample([{"role": "user", "content": "q"}], None, 2)
+    assert url in str(caught.value)
+
+
+def test_engine_reply_ids_train_on_the_template_context_with_behaviour_logprobs() -> None:
+    """A resampled reply has exact ids and logprobs but no engine prompt ids: nothing is re-tokenised."""
+    report = DataReport()
+    t = trajectory(
+        0, 1.0, prompt_token_ids=None, completion_token_ids=[7, 8, 2], completion_logprobs=[-0.1, -0.2, -0.3]
+    )
+    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
+    assert sample is not None
+    assert sample.input_ids == [100, 1, 101, 7, 8, 2]
+    assert sample.behaviour_logprobs == [None, None, None, -0.1, -0.2, -0.3]
+    assert report.as_dict() == {"context_from_template": 1}
+
+
+class RecordingScorer:
+    """A stand-in for `trainer.scoring.Scorer` that records each group and scores a reply by its length."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.groups: list[list[ScoredTrajectory]] = []
+
+    async def score(self, trajectories: Sequence[ScoredTrajectory]) -> GroupScore:
+        self.groups.append(list(trajectories))
+        scores = [
+            Score(t.episode_id, float(len(t.messages[-1]["content"] or "")), None) for t in trajectories
+        ]
+        return GroupScore(self.source, "test", None, scores)
+
+
+def test_ruler_judges_the_original_with_the_resamples_and_its_score_is_discarded() -> None:
+    judge = RecordingScorer("judge")
+    cfg = TrainConfig(grouping="resample", group_size=3)
+    original = trajectory(0, 0.25, reply={"role": "assistant", "content": "the original answer"})
+    [group] = asyncio.run(
+        resample_groups([original], cfg, FixedSampler(), PolicyScorer(judge, "p"), DataReport())
+    )
+    [judged] = judge.groups
+    assert [t.episode_id for t in judged] == ["original", "resample-0", "resample-1"]
+    assert judged[0].messages == [*original.context, original.reply]
+    assert [m.origin for m in group.members] == ["captured", "resampled", "resampled"]
+    assert group.rewards == [0.25, 7.0, 7.0]  # the original keeps its own reward, not the judge's 19
+
+
+def test_other_scorers_see_only_the_new_replies() -> None:
+    function = RecordingScorer("function")
+    scores = asyncio.run(
+        PolicyScorer(function, "p").score(
+            [{"role": "user", "content": "q"}], ["ab", "abc"], {"role": "assistant", "content": "x"}
+        )
+    )
+    assert scores == [2.0, 3.0]
+    assert [t.episode_id for t in function.groups[0]] == ["resample-0", "resample-1"]
