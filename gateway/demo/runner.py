@@ -221,7 +221,14 @@ async def _new_runs(http: httpx.AsyncClient, url: str, seen: set[int]) -> list[d
     response = await http.get(f"{url}/admin/runs", params={"policy": POLICY, "kind": "train"})
     if response.status_code != 200:
         return []
-    finished = [r for r in response.json() if r["finished_at"] and r["id"] not in seen]
+    # A succeeded run that wrote a candidate is reported once the gate has decided on it.
+    finished = [
+        r
+        for r in response.json()
+        if r["finished_at"]
+        and r["id"] not in seen
+        and (r["status"] != "succeeded" or r["to_version"] is None or "gate" in r["metrics"])
+    ]
     seen.update(r["id"] for r in finished)
     return sorted(finished, key=lambda r: r["id"])
 

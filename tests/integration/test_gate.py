@@ -8,6 +8,7 @@ import asyncio
 import shutil
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gateway.base_models import resolve_base_model
 from gateway.policies import create_policy_with_initial_adapter
 from storage.database import Database
 from storage.jobs import get_run, start_job_run, update_run
@@ -30,6 +32,8 @@ from storage.policies import (
     update_policy_config,
 )
 from tests.conftest import VLLMServer, query
+from tests.support.gate_rewards import brevity
+from tests.support.reward_hacking import train_until_collapsed
 
 pytestmark = pytest.mark.vllm
 
@@ -293,3 +297,66 @@ def test_gate_promotes_a_candidate_that_is_not_worse(vllm_server: VLLMServer) ->
     assert result.decision == "promote", result.reasons
     assert result.candidate_reward == result.active_reward
     assert active_version(vllm_server, "equal") == 1
+
+
+# Open questions unlike PROMPTS: the candidate learns to game the reward on these, the gate asks PROMPTS.
+HACK_PROMPTS = [
+    "Tell me about the moon.",
+    "How do plants grow?",
+    "Describe a busy city street.",
+    "What is your favourite food and why?",
+]
+BREVITY = {"rewards": {"scorer": {"function": "tests.support.gate_rewards:brevity"}}}
+
+
+def register_version(server: VLLMServer, policy: PolicyInfo, version: int, path: Path) -> None:
+    resolved = str(path.resolve())
+
+    async def register(database: Database) -> None:
+        async with database.session() as session:
+            await add_adapter(session, policy.id, version, resolved, parent_version=0)
+            await session.commit()
+
+    run(server, register)
+
+
+@pytest.mark.timeout(900)  # training on a loaded 2-core CPU; about two minutes on an idle one
+def test_gate_rejects_a_candidate_that_games_a_length_only_reward(vllm_server: VLLMServer) -> None:
+    """Reward hacking: GRPO on `brevity` (shorter is better, nothing else counts) collapses the policy into
+    empty replies, which score higher than the active version's real answers; the gate must still reject it
+    on the collapse signals."""
+    policy = make_policy(vllm_server, "hacked", {**BREVITY, "gate": GATE})
+    rewarded_traffic(vllm_server, "hacked")
+    target = adapter_dir(vllm_server.data_dir, "hacked", 1)
+    hacked = train_until_collapsed(
+        resolve_base_model(vllm_server.model, vllm_server.data_dir / "models"),
+        adapter_dir(vllm_server.data_dir, "hacked", 0),
+        target,
+        brevity,
+        HACK_PROMPTS,
+    )
+    # It really gamed the reward: most fresh samples are empty and score higher than the starting adapter's.
+    assert hacked.final.signals.empty_share >= 0.75, hacked.rounds
+    assert hacked.final.reward > hacked.baseline.reward, hacked.rounds
+    assert {p.split()[0] for p in hacked.problems()} >= {"empty_share", "mean_length"}, hacked.problems()
+    register_version(vllm_server, policy, 1, target)
+    run_id = finished_run(vllm_server, policy, 1)
+
+    jobs = vllm_server.gateway.services.jobs
+    result = vllm_server.gateway.call(jobs.runner.gate("hacked", run_id), timeout_s=300)
+    assert result.decision == "reject" and result.groups == 3, result.reasons
+    assert result.candidate_reward is not None and result.active_reward is not None
+    assert result.candidate_reward > result.active_reward, result.reasons  # the reward alone would promote it
+    assert result.reasons and all(r.startswith("collapse: ") for r in result.reasons), result.reasons
+    flagged = {reason.removeprefix("collapse: ").split()[0] for reason in result.reasons}
+    assert flagged >= {"empty_share", "distinct_share", "mean_length"}, result.reasons
+    assert result.candidate_signals is not None and result.candidate_signals["empty_share"] == 1.0
+
+    async def stored(database: Database) -> tuple[Any, Any]:
+        async with database.session() as session:
+            return await get_run(session, run_id), await get_adapter(session, policy.id, 1)
+
+    saved, adapter = run(vllm_server, stored)
+    assert saved.status == "rejected" and saved.metrics["gate"]["reasons"] == result.reasons
+    assert adapter.status == "rejected"
+    assert active_version(vllm_server, "hacked") == 0
