@@ -9,6 +9,7 @@ re-tokenised. The context's ids come from the chat template (the gateway does no
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -74,6 +75,49 @@ def parse_choices(response: dict[str, Any], prompt: list[int]) -> list[Sample]:
     return samples
 
 
+def gateway_headers(api_key: str | None) -> dict[str, str]:
+    """Headers of Kaizen's own calls to its gateway (resampling, the gate): never captured as traffic."""
+    headers = {"X-Kaizen-No-Log": "true"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+async def post_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    wait_s: float,
+    unreachable_hint: str = "",
+) -> dict[str, Any]:
+    """POST a chat completion to the gateway; 404/503 answers and refused connections are retried for `wait_s`
+    (a version written moments ago is unknown until the next policy refresh; an engine may be restarting)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            response = await client.post(url, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            if isinstance(exc, httpx.ConnectError) and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                continue
+            raise EngineSamplingError(
+                f"could not reach the gateway at {url} to sample {body.get('model')} ({exc!r}); "
+                f"is `kaizen serve` running there (KAIZEN_GATE_URL)?{unreachable_hint}"
+            ) from exc
+        if response.status_code in _RETRIED_STATUS and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            continue
+        if response.status_code >= 400:
+            raise EngineSamplingError(
+                f"{body.get('model')} at {url} answered {response.status_code}: {response.text[:500]}"
+            )
+        answer = response.json()
+        if not isinstance(answer, dict):
+            raise EngineSamplingError(f"{url} returned a response that is not a JSON object")
+        return answer
+
+
 class EngineSampler:
     """Implements `trainer.grouping.Sampler` against the serving engine; blocking (run in a worker thread)."""
 
@@ -86,15 +130,17 @@ class EngineSampler:
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.headers = {"X-Kaizen-No-Log": "true"}
-        if endpoint.api_key:
-            self.headers["Authorization"] = f"Bearer {endpoint.api_key}"
+        self.headers = gateway_headers(endpoint.api_key)
         self._template_checked = False
 
     def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+        return asyncio.run(self._sample(messages, tools, n))
+
+    async def _sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
         prompt = prompt_ids(self.tokenizer, messages, tools)
         samples: list[Sample] = []
-        with httpx.Client(timeout=httpx.Timeout(self.endpoint.request_timeout_s, connect=10.0)) as client:
+        timeout = httpx.Timeout(self.endpoint.request_timeout_s, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout) as client:
             while len(samples) < n:
                 body: dict[str, Any] = {
                     "model": self.model,
@@ -107,36 +153,18 @@ class EngineSampler:
                 }
                 if tools:
                     body["tools"] = tools
-                response = self._post(client, body)
+                response = await post_completion(
+                    client,
+                    self.url,
+                    body,
+                    self.headers,
+                    self.endpoint.wait_s,
+                    " Set KAIZEN_TRAIN_SAMPLER=local to sample with the trainer's own copy of the adapter "
+                    "instead.",
+                )
                 self._check_template(response, prompt)
                 samples.extend(parse_choices(response, prompt))
         return samples
-
-    def _post(self, client: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
-        deadline = time.monotonic() + self.endpoint.wait_s
-        while True:
-            try:
-                response = client.post(self.url, json=body, headers=self.headers)
-            except httpx.TransportError as exc:
-                if isinstance(exc, httpx.ConnectError) and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-                raise EngineSamplingError(
-                    f"could not reach the gateway at {self.url} to resample replies of {self.model} ({exc!r}); "
-                    "is `kaizen serve` running there (KAIZEN_GATE_URL)? Set KAIZEN_TRAIN_SAMPLER=local to "
-                    "sample with the trainer's own copy of the adapter instead"
-                ) from exc
-            if response.status_code in _RETRIED_STATUS and time.monotonic() < deadline:
-                time.sleep(0.5)
-                continue
-            if response.status_code >= 400:
-                raise EngineSamplingError(
-                    f"{self.model} at {self.url} answered {response.status_code}: {response.text[:500]}"
-                )
-            answer = response.json()
-            if not isinstance(answer, dict):
-                raise EngineSamplingError(f"{self.url} returned a response that is not a JSON object")
-            return answer
 
     def _check_template(self, response: dict[str, Any], prompt: list[int]) -> None:
         """Warn once when the engine counted another prompt length: its chat template differs from the

@@ -29,6 +29,7 @@ from storage.episodes import Trajectory
 from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
+from trainer.engine_sampling import gateway_headers, post_completion
 from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,6 @@ class GateConfig(BaseModel):
     @classmethod
     def from_policy_config(cls, config: dict[str, Any]) -> GateConfig:
         return cls.model_validate(dict(config.get("gate") or {}))
-
-
-class GateError(RuntimeError):
-    """A version could not be sampled (unknown, engine down, request refused)."""
 
 
 def is_held_out(group: str, fraction: float) -> bool:
@@ -176,10 +173,8 @@ class EngineSampler:
     def __init__(
         self, base_url: str, api_key: str | None, config: GateConfig, wait_for_version_s: float = 30
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.headers = {"X-Kaizen-No-Log": "true"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.headers = gateway_headers(api_key)
         self.config = config
         self.wait_for_version_s = wait_for_version_s
 
@@ -194,16 +189,8 @@ class EngineSampler:
         }
         if context.tools:
             body["tools"] = context.tools
-        deadline = time.monotonic() + self.wait_for_version_s
-        while True:
-            response = await client.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers)
-            # A version written moments ago is unknown to the gateway until its next policy refresh.
-            if response.status_code in (404, 503) and time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                continue
-            if response.status_code >= 400:
-                raise GateError(f"{model} answered {response.status_code}: {response.text[:500]}")
-            return [_reply_message(choice) for choice in response.json()["choices"]]
+        answer = await post_completion(client, self.url, body, self.headers, self.wait_for_version_s)
+        return [_reply_message(choice) for choice in answer["choices"]]
 
 
 def _mean(values: list[float]) -> float:
