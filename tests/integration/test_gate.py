@@ -225,17 +225,18 @@ def test_a_crashing_training_child_changes_nothing_that_serves(vllm_server: VLLM
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
-def rewarded_traffic(server: VLLMServer, name: str) -> None:
-    """Held-out material for the gate: served calls with a reward, newer than the run's data window."""
+def rewarded_traffic(server: VLLMServer, name: str, prompts: list[str] = PROMPTS, value: float = 1.0) -> None:
+    """Served calls with feedback: held-out material for the gate (newer than the run's data window), or the
+    trajectories a training run selects."""
     api = client(server)
-    for prompt in PROMPTS:
+    for prompt in prompts:
         raw = api.chat.completions.with_raw_response.create(
             model=name, messages=[{"role": "user", "content": prompt}], max_tokens=16
         )
         server.gateway.flush()
         response = httpx.post(
             server.gateway.url + "/v1/feedback",
-            json={"request_id": raw.headers["x-request-id"], "value": 1.0},
+            json={"request_id": raw.headers["x-request-id"], "value": value},
             timeout=10,
         )
         assert response.status_code == 200, response.text

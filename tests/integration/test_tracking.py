@@ -11,19 +11,15 @@ import asyncio
 import logging
 import socket
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from storage.calls import write_calls
 from storage.database import Database
-from storage.models import Reward
 from storage.policies import create_policy
-from storage.records import CallRecord
 from storage.schema import upgrade_database
+from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from tests.support.wandb_offline import read_offline_run
 from trainer.job import TrainOutcome, TrainRequest, run_training
 
@@ -45,41 +41,16 @@ TRAIN = {
     "collapse_samples": 2,
     "collapse_max_new_tokens": 4,
     # Four-token replies of an untrained LoRA are no collapse; this test is about what gets logged.
-    "collapse_bounds": {
-        "min_distinct_ratio": 0.0,
-        "min_distinct_share": 0.0,
-        "max_empty_share": 1.0,
-        "max_repetition": 1.0,
-        "min_length_ratio": 0.0,
-        "min_entropy_ratio": 0.0,
-        "max_kl_to_base": 100.0,
-    },
+    "collapse_bounds": NO_COLLAPSE_BOUNDS,
 }
 
 
 async def _insert_data(db: Database) -> None:
-    records, rewards = [], []
-    for index, (prompt, replies) in enumerate(REPLIES.items()):
-        for text, reward in replies:
-            call_id = uuid.uuid4().hex
-            records.append(
-                CallRecord(
-                    id=call_id,
-                    episode_id=uuid.uuid4().hex,
-                    episode_resolved=True,
-                    policy=POLICY,
-                    model=POLICY,
-                    request={"messages": [{"role": "user", "content": prompt}], "params": {}},
-                    response={"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]},
-                    group_key=f"task-{index}",
-                    created_at=time.time(),
-                )
-            )
-            rewards.append(Reward(call_id=call_id, source="rule", name="fixed", value=reward))
-    async with db.session() as session:
-        await write_calls(session, records)
-        session.add_all(rewards)
-        await session.commit()
+    groups = [
+        (prompt, [RewardedReply(text, reward) for text, reward in replies])
+        for prompt, replies in REPLIES.items()
+    ]
+    await write_rewarded_groups(db, POLICY, groups, "fixed")
 
 
 def train(tmp_path: Path, model: Path, **train: Any) -> TrainOutcome:

@@ -15,7 +15,8 @@ from gateway.judge_command import judge_settings
 from gateway.scheduling import gate_url
 from storage.database import Database
 from tests.conftest import VLLMServer, query
-from tests.integration.test_gate import client, make_policy, run
+from tests.integration.test_gate import make_policy, rewarded_traffic, run
+from tests.support.training_data import NO_COLLAPSE_BOUNDS
 from trainer.engine_sampling import EngineEndpoint, EngineSampler
 from trainer.grouping import PolicyScorer, Sample
 from trainer.job import TrainOutcome, TrainRequest, run_training
@@ -30,15 +31,6 @@ PROMPTS = [
     "Name a fruit. Reply with one word only.",
 ]
 GROUP_SIZE = 4
-LENIENT = {
-    "min_distinct_ratio": 0.0,
-    "min_distinct_share": 0.0,
-    "max_empty_share": 1.0,
-    "max_repetition": 1.0,
-    "min_length_ratio": 0.0,
-    "min_entropy_ratio": 0.0,
-    "max_kl_to_base": 100.0,
-}
 CONFIG = {
     "rewards": {"scorer": {"function": "tests.integration.test_train_engine_resample:brevity"}},
     "gate": {"holdout_fraction": 0.0},
@@ -53,7 +45,7 @@ CONFIG = {
         "collapse_prompts": 1,
         "collapse_samples": 2,
         "collapse_max_new_tokens": 8,
-        "collapse_bounds": LENIENT,
+        "collapse_bounds": NO_COLLAPSE_BOUNDS,
     },
 }
 
@@ -62,23 +54,6 @@ def brevity(trajectory: dict[str, Any]) -> float:
     """The policy's reward function for resampled replies: shorter is better."""
     words = len((trajectory["messages"][-1].get("content") or "").split())
     return 1.0 / words if words else 0.0
-
-
-def rewarded_calls(server: VLLMServer, name: str) -> None:
-    """Served, captured calls with feedback: the trajectories the run selects and resamples."""
-    import httpx
-
-    for prompt in PROMPTS:
-        raw = client(server).chat.completions.with_raw_response.create(
-            model=name, messages=[{"role": "user", "content": prompt}], max_tokens=16
-        )
-        server.gateway.flush()
-        response = httpx.post(
-            server.gateway.url + "/v1/feedback",
-            json={"request_id": raw.headers["x-request-id"], "value": 0.5},
-            timeout=10,
-        )
-        assert response.status_code == 200, response.text
 
 
 def captured(server: VLLMServer, name: str) -> list[dict[str, Any]]:
@@ -120,7 +95,7 @@ def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_lo
 
     settings = vllm_server.gateway.settings
     make_policy(vllm_server, "engine-resample", CONFIG)
-    rewarded_calls(vllm_server, "engine-resample")
+    rewarded_traffic(vllm_server, "engine-resample", PROMPTS, value=0.5)
     before = captured(vllm_server, "engine-resample")
     assert len(before) == len(PROMPTS)
     # Built like `kaizen train` builds it in the gateway's training child.
@@ -167,7 +142,7 @@ def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_lo
 def test_the_gateways_training_child_resamples_through_the_gateway(vllm_server: VLLMServer) -> None:
     """The scheduled path: `kaizen train` as the gateway's child, with the gateway's settings, finds it."""
     make_policy(vllm_server, "child-resample", CONFIG)
-    rewarded_calls(vllm_server, "child-resample")
+    rewarded_traffic(vllm_server, "child-resample", PROMPTS, value=0.5)
     before = captured(vllm_server, "child-resample")
     jobs = vllm_server.gateway.services.jobs
     outcome = vllm_server.gateway.call(jobs.runner.run("child-resample", "train"), timeout_s=280)

@@ -8,20 +8,16 @@ capture path; the fresh replies of the new adapter must earn more than those of 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from storage.calls import write_calls
 from storage.database import Database
-from storage.models import Reward
 from storage.policies import create_policy, list_adapters
-from storage.records import CallRecord
 from storage.schema import upgrade_database
+from tests.support.training_data import RewardedReply, write_rewarded_groups
 from trainer.config import TrainConfig
 from trainer.grouping import Sample
 from trainer.job import TrainingBusy, TrainRequest, run_training
@@ -81,35 +77,17 @@ def mean_reward(samples: list[list[Sample]]) -> float:
 
 async def insert_data(db: Database, samples: list[list[Sample]], policy: str) -> None:
     """One episode per sampled reply, grouped per prompt by `group_key`, each with a `rule` reward."""
-    records, rewards = [], []
-    now = time.time()
-    for p_index, (prompt, group) in enumerate(zip(PROMPTS, samples, strict=True)):
-        messages = [{"role": "user", "content": prompt}]
-        for sample in group:
-            call_id = uuid.uuid4().hex
-            records.append(
-                CallRecord(
-                    id=call_id,
-                    episode_id=uuid.uuid4().hex,
-                    episode_resolved=True,
-                    policy=policy,
-                    model=policy,
-                    request={"messages": messages, "params": {}},
-                    response={
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": sample.text}}]
-                    },
-                    prompt_token_ids=sample.prompt_token_ids,
-                    completion_token_ids=[sample.token_ids],
-                    completion_logprobs=[sample.logprobs] if sample.logprobs else None,
-                    group_key=f"task-{p_index}",
-                    created_at=now,
-                )
-            )
-            rewards.append(Reward(call_id=call_id, source="rule", name="brevity", value=brevity(sample.text)))
-    async with db.session() as session:
-        await write_calls(session, records)
-        session.add_all(rewards)
-        await session.commit()
+    groups = [
+        (
+            prompt,
+            [
+                RewardedReply(s.text, brevity(s.text), s.prompt_token_ids, s.token_ids, s.logprobs or None)
+                for s in group
+            ],
+        )
+        for prompt, group in zip(PROMPTS, samples, strict=True)
+    ]
+    await write_rewarded_groups(db, policy, groups, "brevity")
 
 
 def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model: Path) -> None:
