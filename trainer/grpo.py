@@ -64,8 +64,23 @@ def _first_loss_column(batch: Batch) -> int:
     return int(columns[0]) if columns.numel() else 0
 
 
-def _micro_batches(order: list[int], size: int) -> list[list[int]]:
-    return [order[i : i + size] for i in range(0, len(order), size)]
+def plan_steps(
+    order: list[int], lengths: Sequence[int], micro_batch: int, accumulation: int
+) -> list[list[list[int]]]:
+    """Split a shuffled epoch into optimizer steps of ``micro_batch * accumulation`` samples, each a list of
+    micro-batches.
+
+    Which samples share a step is decided by the shuffle alone; inside a step they are sorted by length before
+    being cut into micro-batches, so each micro-batch pads to a similar length. The accumulated gradient of the
+    step is unchanged (every micro-batch is normalised by the step's token count), only less padding is
+    computed. Longest first: a micro-batch that does not fit in memory fails at the start of the run.
+    """
+    per_step = micro_batch * accumulation
+    steps = []
+    for start in range(0, len(order), per_step):
+        window = sorted(order[start : start + per_step], key=lambda i: -lengths[i])
+        steps.append([window[i : i + micro_batch] for i in range(0, len(window), micro_batch)])
+    return steps
 
 
 def run_update(
@@ -92,13 +107,11 @@ def run_update(
     loss_tokens = 0
     seen_tokens = 0
     started = time.perf_counter()
-    steps_per_epoch = math.ceil(math.ceil(len(samples) / cfg.micro_batch_size) / cfg.grad_accumulation)
-    total_steps = steps_per_epoch * cfg.epochs
+    total_steps = math.ceil(len(samples) / (cfg.micro_batch_size * cfg.grad_accumulation)) * cfg.epochs
+    lengths = [len(s.input_ids) for s in samples]
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(samples), generator=generator).tolist()
-        micro = _micro_batches(order, cfg.micro_batch_size)
-        for window_start in range(0, len(micro), cfg.grad_accumulation):
-            window = micro[window_start : window_start + cfg.grad_accumulation]
+        for window in plan_steps(order, lengths, cfg.micro_batch_size, cfg.grad_accumulation):
             normaliser = float(sum(sum(samples[i].loss_mask[1:]) for mb in window for i in mb))
             for indices in window:
                 if stop is not None and stop.is_set():

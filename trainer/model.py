@@ -87,7 +87,35 @@ def load_policy(
         )
         model = get_peft_model(base, lora)
     model.to(device)
+    if bf16_supported(device):
+        _keep_lora_inputs_in_bf16(model)
+    model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
     return model, tokenizer
+
+
+def _contiguous_input(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Hands the vocabulary projection a contiguous input.
+
+    With `logits_to_keep`, the model projects a slice of the hidden states, which is not contiguous. For an input
+    that requires grad and cannot be flattened without a copy, torch's matmul does not fold [B, T, H] into one
+    matrix product: it broadcasts the [H, V] weight to [B, H, V] (B copies of the embedding matrix) and runs a
+    batched product, forward and backward. Copying the slice (B·T·H values) lets it fold; measured on the
+    embedded model, this removed a fifth of a training step.
+    """
+    hidden, *rest = args
+    return (hidden.contiguous(), *rest)
+
+
+def _keep_lora_inputs_in_bf16(model: Any) -> None:
+    """PEFT casts each LoRA layer's input to the float32 of its weights, and autocast casts it straight back to
+    bf16 for the matmul: two copies of every activation entering a LoRA layer, forward and backward (a quarter
+    of a CPU training step's time). Every trainer forward runs under `autocast`, which casts the small float32
+    LoRA weights instead, so the activation casts are switched off."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False  # type: ignore[attr-defined]
 
 
 def save_adapter(model: Any, target: Path) -> None:
