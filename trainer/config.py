@@ -46,6 +46,11 @@ class TrainConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature for resampling (1.0 keeps logprobs exact)."
     )
+    resample_concurrency: int = Field(
+        8,
+        ge=1,
+        description="Trajectories resampled and scored at once through the engine (the local sampler: 1).",
+    )
 
     # --- LoRA
     lora_rank: int = Field(

@@ -119,7 +119,10 @@ async def post_completion(
 
 
 class EngineSampler:
-    """Implements `trainer.grouping.Sampler` against the serving engine; blocking (run in a worker thread)."""
+    """Implements `trainer.grouping.Sampler` against the serving engine."""
+
+    #: The engine batches concurrent requests; `TrainConfig.resample_concurrency` sets the actual limit.
+    max_concurrency = 64
 
     def __init__(
         self, endpoint: EngineEndpoint, model: str, tokenizer: Any, *, max_tokens: int, temperature: float
@@ -133,10 +136,7 @@ class EngineSampler:
         self.headers = gateway_headers(endpoint.api_key)
         self._template_checked = False
 
-    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
-        return asyncio.run(self._sample(messages, tools, n))
-
-    async def _sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
         prompt = prompt_ids(self.tokenizer, messages, tools)
         samples: list[Sample] = []
         timeout = httpx.Timeout(self.endpoint.request_timeout_s, connect=10.0)

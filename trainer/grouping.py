@@ -45,7 +45,12 @@ class Sample:
 class Sampler(Protocol):
     """Draws replies from the active adapter (the trainer's own model, or the serving engine)."""
 
-    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]: ...
+    #: How many contexts may be sampled at once: the engine batches concurrent requests, a local model cannot.
+    max_concurrency: int
+
+    async def sample(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int
+    ) -> list[Sample]: ...
 
 
 class Scorer(Protocol):
@@ -107,20 +112,21 @@ def group_by_column(trajectories: Sequence[Trajectory], cfg: TrainConfig, report
 async def resample_groups(
     trajectories: Sequence[Trajectory], cfg: TrainConfig, sampler: Sampler, scorer: Scorer, report: DataReport
 ) -> list[Group]:
-    """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`."""
-    groups = []
+    """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`.
+
+    Up to `resample_concurrency` trajectories are sampled and scored at once (the engine batches them, and a
+    judge or webhook answers in parallel); the groups come back in the order of `trajectories`.
+    """
+    limit = asyncio.Semaphore(max(1, min(cfg.resample_concurrency, sampler.max_concurrency)))
     started = time.monotonic()
-    for done, trajectory in enumerate(trajectories):
-        if done and done % 8 == 0:
-            logger.info(
-                "resampled %d/%d groups (%.0f s)", done, len(trajectories), time.monotonic() - started
-            )
-        # In a worker thread: sampling blocks for seconds, and the lock heartbeat must keep beating.
-        samples = await asyncio.to_thread(
-            sampler.sample, trajectory.context, trajectory.tools, cfg.group_size - 1
-        )
+    done = 0
+
+    async def resample(trajectory: Trajectory) -> Group | None:
+        nonlocal done
+        async with limit:
+            samples = await sampler.sample(trajectory.context, trajectory.tools, cfg.group_size - 1)
+            scores = await scorer.score(trajectory.context, [s.text for s in samples], trajectory.reply)
         report.add("resampled_replies", len(samples))
-        scores = await scorer.score(trajectory.context, [s.text for s in samples], trajectory.reply)
         members = [trajectory]
         for sample, score in zip(samples, scores, strict=True):
             if score is None:
@@ -137,11 +143,22 @@ async def resample_groups(
                     origin="resampled",
                 )
             )
-        group = _finalise(trajectory.episode_id, members, cfg, report)
-        if group is not None:
-            groups.append(group)
+        done += 1
+        if done % 8 == 0 and done < len(trajectories):
+            logger.info(
+                "resampled %d/%d groups (%.0f s)", done, len(trajectories), time.monotonic() - started
+            )
+        return _finalise(trajectory.episode_id, members, cfg, report)
+
+    # A task group: one failure (engine gone) cancels the rest instead of leaving them running; the first
+    # failure is raised as itself, not wrapped in an ExceptionGroup.
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            pending = [tasks.create_task(resample(t)) for t in trajectories]
+    except ExceptionGroup as failures:
+        raise failures.exceptions[0] from None
     logger.info("resampled %d groups in %.0f s", len(trajectories), time.monotonic() - started)
-    return groups
+    return [group for task in pending if (group := task.result()) is not None]
 
 
 def group_stats(groups: Sequence[Group]) -> dict[str, float]:

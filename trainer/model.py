@@ -7,6 +7,7 @@ where the CPU/GPU supports bf16 (AVX512-BF16/AMX): there the frozen base is stor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -138,6 +139,9 @@ class LocalSampler:
     Temperature 1 with no top-k/top-p keeps the recorded logprobs exactly those of the policy being trained.
     """
 
+    #: One model, one generate call at a time.
+    max_concurrency = 1
+
     def __init__(
         self,
         model: Any,
@@ -159,8 +163,9 @@ class LocalSampler:
         )
         return [int(i) for i in ids]
 
-    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
-        return self.sample_many([(messages, tools)], n)[0]
+    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+        # In a worker thread: generation blocks for seconds, and the run's lock heartbeat must keep beating.
+        return (await asyncio.to_thread(self.sample_many, [(messages, tools)], n))[0]
 
     @torch.inference_mode()
     def sample_many(

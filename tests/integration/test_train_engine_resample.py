@@ -71,8 +71,8 @@ class RecordingSampler(EngineSampler):
 
     recorded: list[tuple[list[dict[str, Any]], list[Sample]]]
 
-    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
-        samples = super().sample(messages, tools, n)
+    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+        samples = await super().sample(messages, tools, n)
         self.recorded.append((messages, samples))
         return samples
 

@@ -108,7 +108,7 @@ def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_g
     endpoint = EngineEndpoint(fake_gateway.url, "sk-test", max_n=4, wait_s=10)
     sampler = endpoint.sampler("bot@3", Template(), max_tokens=16, temperature=0.7)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    samples = sampler.sample([{"role": "user", "content": "q"}], tools, 7)
+    samples = asyncio.run(sampler.sample([{"role": "user", "content": "q"}], tools, 7))
     assert [s.token_ids for s in samples] == [[10, 2], [11, 2], [12, 2], [13, 2], [10, 2], [11, 2], [12, 2]]
     assert all(s.prompt_token_ids == [100, 1, 101] and s.logprobs == [-0.5, -0.1] for s in samples)
     # one 404 (a version the gateway does not know yet) retried, then n=7 split by the gateway's max_n
@@ -133,7 +133,7 @@ def test_an_unreachable_gateway_fails_naming_the_url_and_the_local_sampler() -> 
     url = f"http://127.0.0.1:{free_port()}/v1"
     sampler = EngineEndpoint(url, wait_s=0.2).sampler("bot@1", Template(), max_tokens=4, temperature=1.0)
     with pytest.raises(EngineSamplingError, match="KAIZEN_TRAIN_SAMPLER=local") as caught:
-        sampler.sample([{"role": "user", "content": "q"}], None, 2)
+        asyncio.run(sampler.sample([{"role": "user", "content": "q"}], None, 2))
     assert url in str(caught.value)
 
 

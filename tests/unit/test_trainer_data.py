@@ -131,7 +131,9 @@ def test_prompt_grouping_uses_context_hash() -> None:
 
 
 class FixedSampler:
-    def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    max_concurrency = 64
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
         return [Sample(f"reply {i}", [1, 2], [10 + i, 2], [-0.5, -0.1]) for i in range(n)]
 
 
@@ -155,6 +157,69 @@ def test_resample_keeps_original_reward_and_counts_unscored() -> None:
         and group.members[2].context == group.members[0].context
     )
     assert report.as_dict() == {"resampled_replies": 3, "resampled_unscored": 1}
+
+
+class SlowSampler:
+    """Answers after a pause that shrinks with the context's index, recording how many calls overlap."""
+
+    def __init__(self, max_concurrency: int, fail_on: str | None = None) -> None:
+        self.max_concurrency = max_concurrency
+        self.fail_on = fail_on
+        self.in_flight = 0
+        self.peak = 0
+
+    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+        import asyncio
+
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            content = messages[-1]["content"]
+            if content == self.fail_on:
+                raise RuntimeError(f"engine gone while sampling {content}")
+            await asyncio.sleep(0.05 / (1 + len(content)))
+            return [Sample(f"{content} {i}", [1], [10 + i, 2], None) for i in range(n)]
+        finally:
+            self.in_flight -= 1
+
+
+class IndexScorer:
+    async def score(
+        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+    ) -> list[float | None]:
+        return [float(r.split()[-1]) for r in replies]
+
+
+def _contexts(count: int) -> list[Any]:
+    from dataclasses import replace
+
+    return [
+        replace(trajectory(i, 0.5), episode_id=f"e{i}", context=[{"role": "user", "content": "q" * (i + 1)}])
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize(("sampler_limit", "expected_peak"), [(64, 3), (1, 1)])
+def test_resampling_runs_concurrently_up_to_the_limits_and_keeps_the_order(
+    sampler_limit: int, expected_peak: int
+) -> None:
+    import asyncio
+
+    sampler = SlowSampler(sampler_limit)
+    cfg = TrainConfig(grouping="resample", group_size=3, resample_concurrency=3)
+    groups = asyncio.run(resample_groups(_contexts(10), cfg, sampler, IndexScorer(), DataReport()))
+    assert sampler.peak == expected_peak
+    # later contexts answer sooner, yet the groups keep the trajectories' order
+    assert [g.members[0].episode_id for g in groups] == [f"e{i}" for i in range(10)]
+
+
+def test_a_failed_resample_raises_its_own_error() -> None:
+    import asyncio
+
+    sampler = SlowSampler(64, fail_on="qqq")
+    cfg = TrainConfig(grouping="resample", group_size=3, resample_concurrency=4)
+    with pytest.raises(RuntimeError, match="engine gone while sampling qqq"):
+        asyncio.run(resample_groups(_contexts(10), cfg, sampler, IndexScorer(), DataReport()))
 
 
 class Template:
