@@ -100,10 +100,30 @@ def _free_port() -> int:
 
 
 class GatewayProcess:
-    """`kaizen serve` in a child process with the demo's settings; its log goes to a file."""
+    """`kaizen serve` in a child process: vLLM, SQLite under `data_dir`, a free loopback port and fresh keys.
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.env = env
+    `extra_env` adds or overrides settings; `env` can still be changed before `start`. Its log goes to a file.
+    """
+
+    def __init__(
+        self, data_dir: Path, base_model_path: str, log_path: Path, extra_env: dict[str, str] | None = None
+    ) -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.api_key, self.admin_key = secrets.token_hex(16), secrets.token_hex(16)
+        self.env = {
+            **os.environ,
+            "KAIZEN_DATA_DIR": str(data_dir),
+            "KAIZEN_DATABASE_URL": f"sqlite:///{data_dir / 'kaizen.db'}",
+            "KAIZEN_HOST": "127.0.0.1",
+            "KAIZEN_PORT": str(port),
+            "KAIZEN_ENGINE": "vllm",
+            "KAIZEN_BASE_MODEL": base_model_path,
+            "KAIZEN_API_KEYS": self.api_key,
+            "KAIZEN_ADMIN_KEY": self.admin_key,
+            "KAIZEN_POLICY_REFRESH_S": "1",
+            **(extra_env or {}),
+        }
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -118,7 +138,7 @@ class GatewayProcess:
         )
         log.close()
 
-    async def wait_ready(self, url: str, timeout_s: float = 900) -> None:
+    async def wait_ready(self, timeout_s: float = 900) -> None:
         started = time.monotonic()
         next_note = started + 10
         async with httpx.AsyncClient(timeout=5) as client:
@@ -129,7 +149,7 @@ class GatewayProcess:
                         f"the gateway exited with {self.process.returncode}; see {self.log_path}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{url}/readyz")).status_code == 200:
+                    if (await client.get(f"{self.url}/readyz")).status_code == 200:
                         return
                 now = time.monotonic()
                 if now - started > timeout_s:
@@ -140,6 +160,16 @@ class GatewayProcess:
                     logger.info("waiting for the gateway and vLLM to start... %.0f s", now - started)
                     next_note = now + 10
                 await asyncio.sleep(0.5)
+
+    async def create_policy(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Create a policy through the admin API (version 0 is the base model)."""
+        body: dict[str, Any] = {"name": name} if config is None else {"name": name, "config": config}
+        async with httpx.AsyncClient(
+            timeout=60, headers={"Authorization": f"Bearer {self.admin_key}"}
+        ) as admin:
+            created = await admin.post(f"{self.url}/admin/policies", json=body)
+        if created.status_code != 201:
+            raise RuntimeError(f"creating policy {name!r} failed: {created.status_code} {created.text}")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -258,44 +288,33 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     options.data_dir.mkdir(parents=True, exist_ok=True)
     logger.info("base model: %s", options.base_model)
     base_path = await asyncio.to_thread(resolve_base_model, options.base_model, options.models_dir)
-    port = _free_port()
-    api_key, admin_key, secret = (secrets.token_hex(16) for _ in range(3))
-    env = {
-        **os.environ,
-        "KAIZEN_DATA_DIR": str(options.data_dir),
-        "KAIZEN_DATABASE_URL": f"sqlite:///{options.data_dir / 'kaizen.db'}",
-        "KAIZEN_HOST": "127.0.0.1",
-        "KAIZEN_PORT": str(port),
-        "KAIZEN_ENGINE": "vllm",
-        "KAIZEN_BASE_MODEL": base_path,
-        "KAIZEN_API_KEYS": api_key,
-        "KAIZEN_ADMIN_KEY": admin_key,
-        "KAIZEN_FEEDBACK_SECRET": secret,
-        "KAIZEN_POLICY_REFRESH_S": "1",
-        "KAIZEN_SCHEDULER": "true",
-        "KAIZEN_SCHEDULER_REFRESH_S": "2",
-    }
+    secret = secrets.token_hex(16)
+    log_path = (out or options.data_dir) / "gateway.log"
+    gateway = GatewayProcess(
+        options.data_dir,
+        base_path,
+        log_path,
+        {
+            "KAIZEN_FEEDBACK_SECRET": secret,
+            "KAIZEN_SCHEDULER": "true",
+            "KAIZEN_SCHEDULER_REFRESH_S": "2",
+        },
+    )
+    url, api_key = gateway.url, gateway.api_key
     # SIGTERM ends the demo like Ctrl-C does: through the `finally` below, so the gateway and vLLM stop too.
     current = asyncio.current_task()
     if current is not None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
-    split_cores(env, os.cpu_count() or 1)
-    log_path = (out or options.data_dir) / "gateway.log"
-    url = f"http://127.0.0.1:{port}"
-    gateway = GatewayProcess(env, log_path)
+    split_cores(gateway.env, os.cpu_count() or 1)
     logger.info("starting the gateway on %s (log: %s)", url, log_path)
     gateway.start()
     cycles: list[Cycle] = []
     summary: dict[str, Any] = {}
-    admin = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {admin_key}"})
+    admin = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {gateway.admin_key}"})
     app: SimulatedApp | None = None
     try:
-        await gateway.wait_ready(url)
-        created = await admin.post(
-            f"{url}/admin/policies", json={"name": POLICY, "config": policy_config(options)}
-        )
-        if created.status_code != 201:
-            raise RuntimeError(f"creating the demo policy failed: {created.status_code} {created.text}")
+        await gateway.wait_ready()
+        await gateway.create_policy(POLICY, policy_config(options))
         await _wait_for_model(url, api_key, POLICY)
         logger.info("policy %r created (version 0 = the base model); traffic starts", POLICY)
         app = SimulatedApp(

@@ -16,14 +16,11 @@ import json
 import logging
 import os
 import platform
-import secrets
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 logger = logging.getLogger("bench_resample")
 
@@ -58,7 +55,7 @@ class InstantScorer:
 
 
 async def resample_once(
-    url: str, api_key: str, tokenizer: Any, concurrency: int, args: Any
+    url: str, api_key: str, tokenizer: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
     from trainer.config import TrainConfig
     from trainer.dataset import DataReport, Trajectory
@@ -98,40 +95,19 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     from gateway.base_models import resolve_base_model
     from gateway.demo.runner import GatewayProcess
-    from tests.bench.bench_engine import free_port
 
     base_path = await asyncio.to_thread(resolve_base_model, "smollm2-135m-instruct", args.models_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     with tempfile.TemporaryDirectory(prefix="kaizen-bench-resample-") as tmp:
         data_dir = Path(tmp)
-        port = free_port()
-        api_key, admin_key = secrets.token_hex(16), secrets.token_hex(16)
-        env = {
-            **os.environ,
-            "KAIZEN_DATA_DIR": str(data_dir),
-            "KAIZEN_DATABASE_URL": f"sqlite:///{data_dir / 'kaizen.db'}",
-            "KAIZEN_HOST": "127.0.0.1",
-            "KAIZEN_PORT": str(port),
-            "KAIZEN_ENGINE": "vllm",
-            "KAIZEN_BASE_MODEL": base_path,
-            "KAIZEN_API_KEYS": api_key,
-            "KAIZEN_ADMIN_KEY": admin_key,
-            "KAIZEN_POLICY_REFRESH_S": "1",
-        }
-        url = f"http://127.0.0.1:{port}"
-        gateway = GatewayProcess(env, data_dir / "gateway.log")
+        gateway = GatewayProcess(data_dir, base_path, data_dir / "gateway.log")
+        url, api_key = gateway.url, gateway.api_key
         gateway.start()
         try:
-            await gateway.wait_ready(url)
-            async with httpx.AsyncClient(
-                timeout=60, headers={"Authorization": f"Bearer {admin_key}"}
-            ) as admin:
-                created = await admin.post(f"{url}/admin/policies", json={"name": POLICY})
-                if created.status_code != 201:
-                    raise RuntimeError(f"creating the policy failed: {created.status_code} {created.text}")
-            await resample_once(
-                url, api_key, tokenizer, args.concurrency, args
-            )  # warm-up (loads the adapter)
+            await gateway.wait_ready()
+            await gateway.create_policy(POLICY)
+            # Warm-up: the first requests load the policy's adapter into vLLM.
+            await resample_once(url, api_key, tokenizer, args.concurrency, args)
             runs: dict[str, list[dict[str, float]]] = {"sequential": [], "concurrent": []}
             for round_index in range(args.rounds):
                 for side, concurrency in (("sequential", 1), ("concurrent", args.concurrency)):
