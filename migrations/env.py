@@ -1,4 +1,7 @@
-"""Alembic environment: runs migrations over the async engine given in the config's `sqlalchemy.url`."""
+"""Alembic environment: runs migrations over the async engine given in the config's `sqlalchemy.url`.
+
+From the `alembic` command line (configured in pyproject.toml) the URL is passed as `-x url=...`.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ async def _run_async(url: str) -> None:
 
 
 def run_migrations_online() -> None:
-    url = context.config.get_main_option("sqlalchemy.url")
+    given = context.get_x_argument(as_dictionary=True).get("url")
+    url = given or context.config.get_main_option("sqlalchemy.url")
     if url is None:
         raise RuntimeError("sqlalchemy.url is not set")
     connection = context.config.attributes.get("connection")
