@@ -18,6 +18,7 @@ from storage.policies import create_policy
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.support.gateway_server import GatewayServer
+from tests.support.polling import wait_until
 from trainer.signing import sign
 
 MakeGateway = Callable[..., GatewayServer]
@@ -182,7 +183,8 @@ def test_unknown_target_after_grace_period(make_gateway: MakeGateway, database_u
     gw = make_gateway(database_url, feedback_grace_s=0.5, feedback_link_interval_s=0.1)
     first = feedback(gw, {"request_id": "ghost-1", "value": 1})
     assert first.status_code == 200 and first.json()["items"][0]["status"] == "pending"
-    time.sleep(0.8)
+    # The linker flags it orphaned once the grace period has passed; from then on new feedback is refused.
+    wait_until(lambda: [r["status"] for r in rewards(database_url)] == ["orphaned"], "ghost-1 to be orphaned")
     refused = feedback(gw, {"request_id": "ghost-1", "value": 1})
     assert refused.status_code == 404
     assert refused.json()["error"]["code"] == "unknown_target"

@@ -23,6 +23,7 @@ from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.conftest import query
+from tests.support.polling import wait_until_async
 from trainer.ruler import JudgeSettings
 from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
@@ -38,6 +39,22 @@ def runner(database: Database, data_dir: Path) -> JobRunner:
         gate_url="http://127.0.0.1:9/v1",
     )
     return JobRunner(database, config)
+
+
+class CountingScheduler(PolicyScheduler):
+    """Counts completed re-reads of the policies, so a test can wait for N of them instead of sleeping."""
+
+    syncs = 0
+
+    async def sync(self) -> None:
+        await super().sync()
+        self.syncs += 1
+
+    async def wait_for_syncs(self, count: int) -> None:
+        async def done() -> bool:
+            return self.syncs >= count
+
+        await wait_until_async(done, f"{count} scheduler refreshes")
 
 
 async def fresh_database(url: str) -> Database:
@@ -57,8 +74,10 @@ def test_job_lock_is_exclusive_and_expires(database_url: str) -> None:
                 assert not await renew_job_lock(session, "p", "b", ttl_s=60)
                 await release_job_lock(session, "p", "a")
                 assert await acquire_job_lock(session, "p", "b", "train", ttl_s=0.2)
-                await asyncio.sleep(0.4)  # b stopped renewing (crashed): its lock is taken over
-                assert await acquire_job_lock(session, "p", "c", "judge", ttl_s=60)
+                # b stops renewing (crashed): once its lock expires, c takes it over.
+                await wait_until_async(
+                    lambda: acquire_job_lock(session, "p", "c", "judge", ttl_s=60), "b's lock to expire"
+                )
                 assert not await renew_job_lock(session, "p", "b", ttl_s=60)
         finally:
             await database.dispose()
@@ -139,14 +158,18 @@ def test_missed_runs_after_downtime_are_coalesced_into_one(database_url: str, tm
                 async with database.session() as session:
                     return len(await list_runs(session, name, "judge"))
 
-            scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=0.5)
+            async def judge_runs_at_least(name: str, count: int) -> bool:
+                return await judge_runs(name) >= count
+
+            scheduler = CountingScheduler(database, runner(database, tmp_path), refresh_s=0.5)
             await scheduler.start()
             try:
-                deadline = time.monotonic() + 60
-                while await judge_runs("stale") < 2:  # the catch-up run, however slow the machine
-                    assert time.monotonic() < deadline, "the stale policy never caught up"
-                    await asyncio.sleep(0.2)
-                await asyncio.sleep(3.0)  # six refreshes: a second catch-up would have happened by now
+                # The catch-up run, however slow the machine.
+                await wait_until_async(
+                    lambda: judge_runs_at_least("stale", 2), "the stale policy to catch up", 60
+                )
+                # Six more refreshes of the policies: a second catch-up would have happened by now.
+                await scheduler.wait_for_syncs(scheduler.syncs + 6)
                 next_runs = dict(scheduler.jobs())
             finally:
                 await scheduler.stop()
@@ -177,10 +200,12 @@ def test_paused_schedule_runs_nothing(database_url: str, tmp_path: Path) -> None
                     TrainingRun(policy_id=policy.id, kind="judge", status="succeeded", started_at=old)
                 )
                 await session.commit()
-            scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=0.5)
+            scheduler = CountingScheduler(database, runner(database, tmp_path), refresh_s=0.5)
             await scheduler.start()
             try:
-                await asyncio.sleep(1.5)
+                await scheduler.wait_for_syncs(
+                    3
+                )  # three reads of the paused config: nothing may be scheduled
                 jobs = scheduler.jobs()
             finally:
                 await scheduler.stop()
