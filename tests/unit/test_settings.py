@@ -1,4 +1,4 @@
-"""The settings object: sources, URL mapping, and the README staying in sync with it."""
+"""The settings object: sources, URL mapping, and docs/configuration.md staying in sync with it."""
 
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
         Settings.load(tmp_path / "nope.toml")
 
 
-def test_every_setting_is_a_serve_flag_and_documented_in_the_readme() -> None:
+def test_every_setting_is_a_serve_flag_and_documented() -> None:
     serve_help = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = re.search(r"<!-- settings:start -->\n(.*?)<!-- settings:end -->", readme, re.S)
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    block = re.search(r"<!-- settings:start -->\n(.*?)<!-- settings:end -->", page, re.S)
     assert block is not None
     assert block.group(1).strip() == settings_table().strip(), (
-        "README settings table is stale: run `kaizen settings`"
+        "docs/configuration.md settings table is stale: run `kaizen settings`"
     )
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in serve_help
