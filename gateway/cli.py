@@ -113,7 +113,7 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def settings_table() -> str:
-    """Every setting as a Markdown table (the README's settings section is this output)."""
+    """Every setting as a Markdown table (docs/configuration.md's settings section is this output)."""
     lines = ["| environment variable | default | meaning |", "|---|---|---|"]
     for name, info in Settings.model_fields.items():
         default = info.get_default(call_default_factory=True)

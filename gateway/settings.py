@@ -1,7 +1,7 @@
 """The one typed settings object, read from ``KAIZEN_*`` environment variables and an optional TOML file.
 
 Every entry point builds it once (``Settings.load``) and passes it down; nothing else reads the environment.
-Each field's description is its documentation: the CLI help and the README table are generated from it.
+Each field's description is its documentation: the CLI help and the docs/configuration.md table are generated from it.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def _promotion_regressions(cycles: list[Cycle], window: int = 2) -> list[float]:
 
 
 def summarise_run(cycles: list[Cycle], options: DemoOptions) -> dict[str, Any]:
-    """The numbers the README quotes, and whether each target was met."""
+    """The numbers docs/training.md quotes, and whether each target was met."""
     base = [c for c in cycles if c.version == 0] or cycles[:1]
     base_reward = sum(c.mean_reward for c in base) / len(base) if base else 0.0
     base_distinct = sum(c.distinct_share for c in base) / len(base) if base else 0.0

@@ -3,7 +3,7 @@
 Chosen so that the reward is about content, not format: every question has its own answer, so a constant
 reply is right for at most one question in sixty, an empty reply or one that ignores the question scores 0, and
 a reply that lists several candidate answers to cover its bets scores 0 too. The embedded base model knows
-many of these pairs but says so unreliably at temperature 1 (its measured level is in the README), so groups
+many of these pairs but says so unreliably at temperature 1 (its measured level is in docs/training.md), so groups
 have reward variance from the first cycle, and a model that learned the task still gives a different reply
 to every question: the share of distinct replies stays high unless the policy collapses.
 """

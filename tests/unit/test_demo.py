@@ -1,4 +1,4 @@
-"""The demo's task must reward content, not format; its report must say what the README quotes."""
+"""The demo's task must reward content, not format; its report must say what docs/training.md quotes."""
 
 from __future__ import annotations
 
