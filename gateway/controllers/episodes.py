@@ -10,10 +10,10 @@ from litestar import Controller, Request, get, put
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 from msgspec import UNSET, Struct, UnsetType
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.capture import CaptureSink
 from gateway.errors import APIError, InvalidRequest, NotFound
-from storage.database import Database
 from storage.episodes import Trajectory, get_trajectory, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
@@ -95,12 +95,11 @@ class EpisodeNotWritten(APIError):
 class EpisodesController(Controller):
     path = "/episodes"
 
-    async def _load(self, database: Database, sink: CaptureSink, episode_id: str) -> EpisodeOut:
-        async with database.session() as session:
-            trajectory = await get_trajectory(session, episode_id)
-            if trajectory is not None:
-                rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
-                return _out(trajectory, rewards)
+    async def _load(self, session: AsyncSession, sink: CaptureSink, episode_id: str) -> EpisodeOut:
+        trajectory = await get_trajectory(session, episode_id)
+        if trajectory is not None:
+            rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
+            return _out(trajectory, rewards)
         if sink.recent.episode(episode_id)[0]:
             raise EpisodeNotWritten(
                 f"episode {episode_id!r} is still in the capture queue; retry shortly",
@@ -113,17 +112,17 @@ class EpisodesController(Controller):
     async def read(
         self,
         episode_id: FromPath[str],
-        database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
-        return await self._load(database, sink, episode_id)
+        return await self._load(session, sink, episode_id)
 
     @put("/{episode_id:str}")
     async def edit(
         self,
         episode_id: FromPath[str],
         request: Request[Any, Any, Any],
-        database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
         """Replace the metadata and/or the tags given; fields left out are kept."""
@@ -131,14 +130,12 @@ class EpisodesController(Controller):
             change = msgspec.json.decode(await request.body(), type=EpisodeUpdate)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidRequest(str(exc), code="invalid_value") from exc
-        async with database.session() as session:
-            found = await update_episode(
-                session,
-                episode_id,
-                metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
-                tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
-            )
-            await session.commit()
+        found = await update_episode(
+            session,
+            episode_id,
+            metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
+            tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
+        )
         if not found:
-            await self._load(database, sink, episode_id)  # raises the right 404 / 409
-        return await self._load(database, sink, episode_id)
+            await self._load(session, sink, episode_id)  # raises the right 404 / 409
+        return await self._load(session, sink, episode_id)
