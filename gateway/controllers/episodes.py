@@ -18,8 +18,10 @@ from storage.episodes import Trajectory, get_trajectory, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
 
+# The API's names differ from storage's in places (`request_id` is a call's id): fields are renamed, and
+# `msgspec.convert(..., from_attributes=True)` fills them from the storage dataclasses.
 class TurnOut(Struct):
-    request_id: str
+    call_id: str = msgspec.field(name="request_id")
     position: int
     model: str
     status: str
@@ -31,7 +33,7 @@ class TurnOut(Struct):
 
 class RewardOut(Struct):
     id: int
-    request_id: str | None
+    call_id: str | None = msgspec.field(name="request_id")
     source: str
     name: str
     value: float
@@ -42,7 +44,7 @@ class RewardOut(Struct):
 
 
 class EpisodeOut(Struct):
-    id: str
+    episode_id: str = msgspec.field(name="id")
     policy: str | None
     group_key: str | None
     metadata: dict[str, Any]
@@ -51,9 +53,9 @@ class EpisodeOut(Struct):
     reward_provenance: dict[str, Any] | None
     messages: list[dict[str, Any]]
     turns: list[TurnOut]
-    rewards: list[RewardOut]
-    created_at: datetime | None
-    updated_at: datetime | None
+    rewards: list[RewardOut] = []
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
 
 
 class EpisodeUpdate(Struct, forbid_unknown_fields=True):
@@ -62,29 +64,9 @@ class EpisodeUpdate(Struct, forbid_unknown_fields=True):
 
 
 def _out(trajectory: Trajectory, rewards: list[RewardInfo]) -> EpisodeOut:
-    return EpisodeOut(
-        id=trajectory.episode_id,
-        policy=trajectory.policy,
-        group_key=trajectory.group_key,
-        metadata=trajectory.metadata,
-        tags=trajectory.tags,
-        reward=trajectory.reward,
-        reward_provenance=trajectory.reward_provenance,
-        messages=trajectory.messages,
-        turns=[
-            TurnOut(
-                t.call_id, t.position, t.model, t.status, t.message, t.finish_reason, t.usage, t.created_at
-            )
-            for t in trajectory.turns
-        ],
-        rewards=[
-            RewardOut(
-                r.id, r.call_id, r.source, r.name, r.value, r.label, r.comment, r.metadata, r.created_at
-            )
-            for r in rewards
-        ],
-        created_at=trajectory.created_at,
-        updated_at=trajectory.updated_at,
+    out = msgspec.convert(trajectory, EpisodeOut, from_attributes=True)
+    return msgspec.structs.replace(
+        out, rewards=msgspec.convert(rewards, list[RewardOut], from_attributes=True)
     )
 
 

@@ -3,7 +3,6 @@ or retention run now, and pause or resume a policy's schedule (admin key)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -21,20 +20,6 @@ from trainer.schedule_config import ScheduleConfig
 from trainer.scheduler import JobBusy, JobKind
 
 
-class RunView(msgspec.Struct):
-    id: int
-    policy: str
-    kind: str
-    status: str
-    from_version: int | None
-    to_version: int | None
-    config: dict[str, Any]
-    metrics: dict[str, Any]
-    error: str | None
-    started_at: datetime
-    finished_at: datetime | None
-
-
 class Started(msgspec.Struct):
     run_id: int
     policy: str
@@ -44,22 +29,6 @@ class Started(msgspec.Struct):
 class ScheduleView(msgspec.Struct):
     policy: str
     schedule: dict[str, Any]
-
-
-def _view(run: RunInfo) -> RunView:
-    return RunView(
-        run.id,
-        run.policy,
-        run.kind,
-        run.status,
-        run.from_version,
-        run.to_version,
-        run.config,
-        run.metrics,
-        run.error,
-        run.started_at,
-        run.finished_at,
-    )
 
 
 class RunsController(Controller):
@@ -73,17 +42,17 @@ class RunsController(Controller):
         policy: FromQuery[str | None] = None,
         kind: FromQuery[str | None] = None,
         limit: FromQuery[int] = 100,
-    ) -> list[RunView]:
+    ) -> list[RunInfo]:
         """Runs of every kind (train, judge, retention), newest first; a train run's gate decision is in
         `metrics.gate`."""
-        return [_view(r) for r in await list_runs(session, policy, kind, max(1, min(limit, 1000)))]
+        return await list_runs(session, policy, kind, max(1, min(limit, 1000)))
 
     @get("/runs/{run_id:int}")
-    async def get_one(self, run_id: FromPath[int], session: NamedDependency[AsyncSession]) -> RunView:
+    async def get_one(self, run_id: FromPath[int], session: NamedDependency[AsyncSession]) -> RunInfo:
         run = await get_run(session, run_id)
         if run is None:
             raise NotFound(f"no run {run_id}", param="run_id", code="run_not_found")
-        return _view(run)
+        return run
 
     @post("/policies/{name:str}/train", status_code=202)
     async def train(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
