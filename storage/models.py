@@ -128,7 +128,7 @@ class Reward(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     call_id: Mapped[str | None] = mapped_column(String(64), index=True)
     episode_id: Mapped[str | None] = mapped_column(String(64), index=True)
-    source: Mapped[str] = mapped_column(String(16))  # feedback | judge | rule | api
+    source: Mapped[str] = mapped_column(String(16))  # feedback | judge | function | webhook
     name: Mapped[str] = mapped_column(String(128), default="user")
     value: Mapped[float] = mapped_column(Float)
     label: Mapped[str | None] = mapped_column(String(128))
