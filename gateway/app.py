@@ -142,7 +142,7 @@ async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[
     """A handler's session, in one transaction: committed when the handler succeeds, rolled back when it raises.
 
     The commit runs after the handler returned and before the response goes out, so a client never sees an
-    answer for a write that did not happen; a unique-key clash there is answered by `_integrity_error`.
+    answer for a write that did not happen; a unique-key clash there is answered by `integrity_conflict`.
     """
     async with database.session() as session:
         try:
@@ -161,7 +161,7 @@ def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[ErrorRespon
     return exc.to_response()
 
 
-def _integrity_error(_: Request[Any, Any, Any], exc: IntegrityError) -> Response[ErrorResponse]:
+def integrity_conflict(_: Request[Any, Any, Any], exc: IntegrityError) -> Response[ErrorResponse]:
     # Mapped here rather than in `provide_session`: Litestar wraps an exception a dependency raises while
     # cleaning up after a failed handler in an ExceptionGroup, which no handler of ours would match.
     log.info("unique or foreign key conflict: %s", exc.orig)
@@ -242,7 +242,7 @@ def create_app(services: Services) -> Litestar:
         state=State({"api_keys": KeyRing(settings.api_keys), "admin_key": KeyRing([settings.admin_key])}),
         exception_handlers={
             APIError: _api_error,
-            IntegrityError: _integrity_error,
+            IntegrityError: integrity_conflict,
             HTTPException: _http_error,
             Exception: _internal_error,
         },
