@@ -11,8 +11,10 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, Router
 from litestar.datastructures import State
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, require_api_key
 from gateway.capture import CaptureSink
@@ -26,7 +28,7 @@ from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
-from gateway.errors import APIError
+from gateway.errors import APIError, Conflict
 from gateway.feedback import FeedbackService
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.routing import ModelRouter
@@ -136,12 +138,34 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
     return Services(settings, database, engine, router, sink, chat, feedback, jobs)
 
 
+async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
+    """A handler's session, in one transaction: committed when the handler succeeds, rolled back when it raises.
+
+    The commit runs after the handler returned and before the response goes out, so a client never sees an
+    answer for a write that did not happen; a unique-key clash there is answered by `integrity_conflict`.
+    """
+    async with database.session() as session:
+        try:
+            yield session
+        except BaseException:
+            await session.rollback()
+            raise
+        await session.commit()
+
+
 def _error(status: int, message: str, error_type: str, code: str | None) -> Response[ErrorResponse]:
     return Response(ErrorResponse(ErrorBody(message, error_type, None, code)), status_code=status)
 
 
 def _api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[ErrorResponse]:
     return exc.to_response()
+
+
+def integrity_conflict(_: Request[Any, Any, Any], exc: IntegrityError) -> Response[ErrorResponse]:
+    # Mapped here rather than in `provide_session`: Litestar wraps an exception a dependency raises while
+    # cleaning up after a failed handler in an ExceptionGroup, which no handler of ours would match.
+    log.info("unique or foreign key conflict: %s", exc.orig)
+    return Conflict("the request conflicts with stored data", code="conflict").to_response()
 
 
 def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[ErrorResponse]:
@@ -209,6 +233,7 @@ def create_app(services: Services) -> Litestar:
             "router": Provide(lambda: services.router, sync_to_thread=False, use_cache=True),
             "sink": Provide(lambda: services.sink, sync_to_thread=False, use_cache=True),
             "database": Provide(lambda: services.database, sync_to_thread=False, use_cache=True),
+            "session": Provide(provide_session),
             "engine": Provide(lambda: services.engine, sync_to_thread=False, use_cache=True),
             "settings": Provide(lambda: services.settings, sync_to_thread=False, use_cache=True),
             "feedback": Provide(lambda: services.feedback, sync_to_thread=False, use_cache=True),
@@ -217,6 +242,7 @@ def create_app(services: Services) -> Litestar:
         state=State({"api_keys": KeyRing(settings.api_keys), "admin_key": KeyRing([settings.admin_key])}),
         exception_handlers={
             APIError: _api_error,
+            IntegrityError: integrity_conflict,
             HTTPException: _http_error,
             Exception: _internal_error,
         },

@@ -134,16 +134,13 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 def cmd_policy_create(args: argparse.Namespace) -> int:
     from gateway.policies import create_policy_with_initial_adapter
-    from storage.database import Database
-    from storage.schema import upgrade_database
+    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
 
     async def run() -> None:
-        await upgrade_database(settings.database_url)
-        database = Database(settings.database_url)
-        try:
+        async with open_database(settings.database_url) as database:
             policy = await create_policy_with_initial_adapter(
                 database,
                 settings.data_dir,
@@ -151,8 +148,6 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
                 settings.base_model,
                 exist_ok=args.exist_ok,
             )
-        finally:
-            await database.dispose()
         log.info(
             "policy %s: base %s, active version %s", policy.name, policy.base_model, policy.active_version
         )
@@ -162,26 +157,25 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_list(args: argparse.Namespace) -> int:
-    from storage.database import Database
     from storage.policies import list_adapters, list_policies
+    from storage.schema import open_database
 
     settings = load_settings(args)
 
     async def run() -> list[str]:
-        database = Database(settings.database_url)
-        try:
-            async with database.session() as session:
-                lines = []
-                for policy in await list_policies(session):
-                    versions = ", ".join(
-                        f"{a.version}:{a.status}" for a in await list_adapters(session, policy.id)
-                    )
-                    lines.append(
-                        f"{policy.name}\tbase={policy.base_model}\tactive={policy.active_version}\t{versions}"
-                    )
-                return lines
-        finally:
-            await database.dispose()
+        async with (
+            open_database(settings.database_url, migrate=False) as database,
+            database.session() as session,
+        ):
+            lines = []
+            for policy in await list_policies(session):
+                versions = ", ".join(
+                    f"{a.version}:{a.status}" for a in await list_adapters(session, policy.id)
+                )
+                lines.append(
+                    f"{policy.name}\tbase={policy.base_model}\tactive={policy.active_version}\t{versions}"
+                )
+            return lines
 
     sys.stdout.write("".join(line + "\n" for line in asyncio.run(run())))
     return 0
@@ -264,23 +258,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
-    from storage.database import Database
     from storage.policies import promote, rollback
+    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
 
     async def run() -> int | None:
-        database = Database(settings.database_url)
-        try:
-            async with database.session() as session:
-                if args.policy_command == "promote":
-                    policy = await promote(session, args.name, args.version)
-                else:
-                    policy = await rollback(session, args.name)
-                return policy.active_version
-        finally:
-            await database.dispose()
+        async with (
+            open_database(settings.database_url, migrate=False) as database,
+            database.session() as session,
+        ):
+            if args.policy_command == "promote":
+                policy = await promote(session, args.name, args.version)
+            else:
+                policy = await rollback(session, args.name)
+            return policy.active_version
 
     try:
         version = asyncio.run(run())

@@ -55,6 +55,12 @@ class NotFound(APIError):
     error_type = "not_found_error"
 
 
+class Conflict(APIError):
+    """The request contradicts what is stored (a unique key taken, e.g. by a concurrent request)."""
+
+    status_code = 409
+
+
 class PayloadTooLarge(APIError):
     status_code = 413
 

@@ -54,16 +54,13 @@ def add_judge_arguments(parser: argparse.ArgumentParser) -> None:
 def run_judge(settings: Settings, policy: str, since: str | None, limit: int | None) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    from storage.database import Database
-    from storage.schema import upgrade_database
+    from storage.schema import open_database
     from trainer.judge_job import judge_policy
 
     judge = judge_settings(settings)
     start = parse_since(since) if since else None
 
     async def run() -> int:
-        await upgrade_database(settings.database_url)
-        database = Database(settings.database_url)
         bar = tqdm(total=0, unit="group", desc=f"judging {policy}", file=sys.stderr, disable=None)
 
         def progress(done: int, total: int) -> None:
@@ -72,18 +69,18 @@ def run_judge(settings: Settings, policy: str, since: str | None, limit: int | N
             bar.refresh()
 
         try:
-            report = await judge_policy(
-                database,
-                policy,
-                judge,
-                webhook_secret=settings.feedback_secret,
-                since=start,
-                limit=limit,
-                progress=progress,
-            )
+            async with open_database(settings.database_url) as database:
+                report = await judge_policy(
+                    database,
+                    policy,
+                    judge,
+                    webhook_secret=settings.feedback_secret,
+                    since=start,
+                    limit=limit,
+                    progress=progress,
+                )
         finally:
             bar.close()
-            await database.dispose()
         log.info(
             "%s: %d groups scored, %d failed, %d too small to judge yet, %d rewards written",
             policy,

@@ -76,7 +76,10 @@ class Jobs:
         try:
             await self.scheduler.start()
         except ImportError:
-            log.error("the scheduler needs APScheduler (pip install 'kaizen[scheduler]'); schedules are off")
+            # APScheduler is a dependency of kaizen itself: only a broken install gets here.
+            log.error(
+                "APScheduler is not installed (reinstall kaizen with its dependencies); schedules are off"
+            )
             self.scheduler = None
 
     async def sync(self) -> None:

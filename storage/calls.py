@@ -13,20 +13,11 @@ from typing import Any, cast
 
 import msgspec
 from sqlalchemy import JSON, Table, bindparam, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from storage.dialect import insert
 from storage.models import Base, Call, Episode, StitchKey
 from storage.records import CallRecord
-
-
-def _insert(session: AsyncSession, model: type[Base]) -> Any:
-    """A dialect-specific Core INSERT (ON CONFLICT support, and no ORM bookkeeping: this is the capture path)."""
-    table = cast(Table, model.__table__)
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(table)
-    return sqlite.insert(table)
-
 
 # Statements built once with expanding parameters: the capture writer runs them for every batch, and building
 # an IN clause from a Python list costs per element.
@@ -132,7 +123,9 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
             },
         )
     # executemany form: the statement is compiled once per batch, not once per row.
-    await session.execute(_insert(session, Episode).on_conflict_do_nothing(), list(episodes.values()))
+    await session.execute(
+        insert(session, cast(Table, Episode.__table__)).on_conflict_do_nothing(), list(episodes.values())
+    )
 
     next_position: dict[str, int] = defaultdict(int)
     rows = await session.execute(_LAST_POSITIONS, {"episodes": list(episodes)})

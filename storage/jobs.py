@@ -1,25 +1,19 @@
-"""Repository functions of the scheduler: the job lock, run rows of every kind, and when a job last ran.
+"""Repository functions of the scheduler: run rows of every kind, and when a job last ran.
 
-The lock is a row per key (the policy's name): an insert that conflicts on the key means another job of
-that policy is live, in this process or any other. A holder renews `expires_at`; a crashed one stops, and
-the next job takes the lock over. When a job last ran is read back from `training_runs`, so a restarted
-scheduler knows which runs it missed.
+When a job last ran is read back from `training_runs`, so a restarted scheduler knows which runs it missed.
+The lock that keeps a policy's jobs apart is in `storage.locks`.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import Adapter, Episode, JobLock, Policy, TrainingRun
-
-logger = logging.getLogger(__name__)
+from storage.models import Adapter, Episode, Policy, TrainingRun
 
 
 @dataclass(frozen=True)
@@ -56,51 +50,6 @@ def _run(row: TrainingRun, policy: str) -> RunInfo:
 def _utc(value: datetime) -> datetime:
     """SQLite hands back naive datetimes; they were written in UTC."""
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def _insert(session: AsyncSession) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(JobLock)
-    return sqlite.insert(JobLock)
-
-
-async def acquire_job_lock(session: AsyncSession, key: str, owner: str, job: str, ttl_s: float) -> bool:
-    """Take the lock `key`, or an expired one; False when a live job holds it. Commits."""
-    now = datetime.now(UTC)
-    expires = now + timedelta(seconds=ttl_s)
-    inserted = await session.execute(
-        _insert(session)
-        .values(key=key, owner=owner, job=job, acquired_at=now, expires_at=expires)
-        .on_conflict_do_nothing()
-    )
-    taken = int(inserted.rowcount) == 1  # type: ignore[attr-defined]
-    if not taken:
-        stale = await session.execute(
-            update(JobLock)
-            .where(JobLock.key == key, JobLock.expires_at < now)
-            .values(owner=owner, job=job, acquired_at=now, expires_at=expires)
-        )
-        taken = int(stale.rowcount) == 1  # type: ignore[attr-defined]
-        if taken:
-            logger.warning("took over the expired job lock %s", key)
-    await session.commit()
-    return taken
-
-
-async def renew_job_lock(session: AsyncSession, key: str, owner: str, ttl_s: float) -> bool:
-    """The heartbeat: push the expiry forward; False if this owner lost the lock. Commits."""
-    result = await session.execute(
-        update(JobLock)
-        .where(JobLock.key == key, JobLock.owner == owner)
-        .values(expires_at=datetime.now(UTC) + timedelta(seconds=ttl_s))
-    )
-    await session.commit()
-    return int(result.rowcount) == 1  # type: ignore[attr-defined]
-
-
-async def release_job_lock(session: AsyncSession, key: str, owner: str) -> None:
-    await session.execute(delete(JobLock).where(JobLock.key == key, JobLock.owner == owner))
-    await session.commit()
 
 
 async def start_job_run(

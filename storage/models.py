@@ -128,7 +128,7 @@ class Reward(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     call_id: Mapped[str | None] = mapped_column(String(64), index=True)
     episode_id: Mapped[str | None] = mapped_column(String(64), index=True)
-    source: Mapped[str] = mapped_column(String(16))  # feedback | judge | rule | api
+    source: Mapped[str] = mapped_column(String(16))  # feedback | judge | function | webhook
     name: Mapped[str] = mapped_column(String(128), default="user")
     value: Mapped[float] = mapped_column(Float)
     label: Mapped[str | None] = mapped_column(String(128))
@@ -177,25 +177,10 @@ class TrainingRun(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
-class TrainingLock(Base):
-    """At most one training job per policy: the primary key makes a second insert fail on every database.
-
-    A crashed job stops renewing `expires_at`; another job may then take the lock over.
-    """
-
-    __tablename__ = "training_locks"
-
-    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"), primary_key=True)
-    owner: Mapped[str] = mapped_column(String(128))
-    run_id: Mapped[int | None] = mapped_column(Integer)
-    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
 class JobLock(Base):
-    """A scheduled job holding a policy (judge, train, retention): one at a time per key, in any process.
-
-    Taken with an insert that conflicts on the key, so it works the same on SQLite and PostgreSQL.
+    """A job holding a policy (judge, train, retention): one at a time per key (the policy's name), in any
+    process. Taken with an insert that conflicts on the key, so it works the same on SQLite and PostgreSQL;
+    a crashed holder stops renewing `expires_at` and the next job takes the lock over (`storage.locks`).
     """
 
     __tablename__ = "job_locks"

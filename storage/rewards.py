@@ -14,9 +14,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from storage.dialect import insert
 from storage.models import Call, Episode, JudgeGroup, Reward
 
 
@@ -67,12 +67,6 @@ def _info(row: Reward) -> RewardInfo:
     )
 
 
-def _insert(session: AsyncSession) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(Reward)
-    return sqlite.insert(Reward)
-
-
 async def rewards_by_key(session: AsyncSession, keys: Sequence[str]) -> dict[str, RewardInfo]:
     if not keys:
         return {}
@@ -90,7 +84,7 @@ async def insert_rewards(
     out: list[tuple[RewardInfo, bool]] = []
     for reward in rewards:
         stmt = (
-            _insert(session)
+            insert(session, Reward)
             .values(
                 call_id=reward.call_id,
                 episode_id=reward.episode_id,

@@ -1,8 +1,11 @@
-"""Apply Alembic migrations programmatically (`kaizen db upgrade`, and `kaizen serve` at start)."""
+"""Apply Alembic migrations programmatically (`kaizen db upgrade`, and `kaizen serve` at start), and open a
+migrated database for the one-shot commands."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from alembic import command
@@ -10,6 +13,7 @@ from alembic.config import Config
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
+from storage.database import Database
 
 
 def alembic_config(url: str) -> Config:
@@ -41,3 +45,15 @@ async def upgrade_database(url: str, revision: str = "head") -> None:
 
 def upgrade_database_sync(url: str, revision: str = "head") -> None:
     asyncio.run(upgrade_database(url, revision))
+
+
+@asynccontextmanager
+async def open_database(url: str, *, migrate: bool = True) -> AsyncIterator[Database]:
+    """A command's database: migrated to head first (unless `migrate` is off), disposed when the command ends."""
+    if migrate:
+        await upgrade_database(url)
+    database = Database(url)
+    try:
+        yield database
+    finally:
+        await database.dispose()

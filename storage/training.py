@@ -1,24 +1,20 @@
-"""Repository functions the trainer needs: rewarded episodes with their calls, training runs and the per-policy lock.
+"""Repository functions the trainer needs: rewarded episodes with their calls, and training runs.
 
 Returns plain dataclasses so the trainer never holds ORM objects across its long, database-free training phase.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import Call, Episode, Reward, TrainingLock, TrainingRun
-
-logger = logging.getLogger(__name__)
+from storage.models import Call, Episode, Reward, TrainingRun
 
 
 @dataclass(frozen=True)
@@ -180,61 +176,3 @@ async def finish_run(
         config = await session.scalar(select(TrainingRun.config).where(TrainingRun.id == run_id))
         values["config"] = {**(config or {}), **config_update}
     await session.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(**values))
-
-
-def _rowcount(result: Any) -> int:
-    """Rows an INSERT/UPDATE touched (the generic `Result` type hides `CursorResult.rowcount`)."""
-    return int(result.rowcount)
-
-
-def _insert(session: AsyncSession) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(TrainingLock)
-    return sqlite.insert(TrainingLock)
-
-
-async def acquire_lock(session: AsyncSession, policy_id: int, owner: str, ttl_s: float) -> bool:
-    """Take the policy's training lock, or an expired one; False when a live job holds it. Commits."""
-    now = datetime.now(UTC)
-    expires = now + timedelta(seconds=ttl_s)
-    inserted = await session.execute(
-        _insert(session)
-        .values(policy_id=policy_id, owner=owner, acquired_at=now, expires_at=expires)
-        .on_conflict_do_nothing()
-    )
-    taken = _rowcount(inserted) == 1
-    if not taken:
-        # A job that stopped renewing its lock (crash, kill -9) is presumed dead.
-        stale = await session.execute(
-            update(TrainingLock)
-            .where(TrainingLock.policy_id == policy_id, TrainingLock.expires_at < now)
-            .values(owner=owner, run_id=None, acquired_at=now, expires_at=expires)
-        )
-        taken = _rowcount(stale) == 1
-        if taken:
-            logger.warning("took over the expired training lock of policy %d", policy_id)
-    await session.commit()
-    return taken
-
-
-async def renew_lock(
-    session: AsyncSession, policy_id: int, owner: str, ttl_s: float, run_id: int | None = None
-) -> bool:
-    """Push the lock's expiry forward (the heartbeat); False if this owner no longer holds it. Commits."""
-    values: dict[str, Any] = {"expires_at": datetime.now(UTC) + timedelta(seconds=ttl_s)}
-    if run_id is not None:
-        values["run_id"] = run_id
-    result = await session.execute(
-        update(TrainingLock)
-        .where(TrainingLock.policy_id == policy_id, TrainingLock.owner == owner)
-        .values(**values)
-    )
-    await session.commit()
-    return _rowcount(result) == 1
-
-
-async def release_lock(session: AsyncSession, policy_id: int, owner: str) -> None:
-    await session.execute(
-        delete(TrainingLock).where(TrainingLock.policy_id == policy_id, TrainingLock.owner == owner)
-    )
-    await session.commit()

@@ -1,7 +1,8 @@
 """One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO ▶ adapter N+1.
 
-This is what ``kaizen train`` runs, in its own process. The database lock (``training_locks``) keeps two runs of
-one policy apart across processes and machines; a heartbeat renews it, and a crashed run's lock expires. The new
+This is what ``kaizen train`` runs, in its own process. The policy's job lock (``storage.locks``) keeps it apart
+from every other job of the policy across processes and machines; a heartbeat renews it, and a crashed run's lock
+expires. Started by the scheduler, the run inherits the lock its parent job holds. The new
 version is written to a temporary directory and renamed into place, and its ``adapters`` row (``candidate``) and
 the ``training_runs`` outcome are committed together, so an interrupted run leaves no half-written version.
 """
@@ -9,31 +10,19 @@ the ``training_runs`` outcome are committed together, so an interrupted run leav
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from storage.database import Database
+from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
 from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy, next_version
-from storage.training import (
-    acquire_lock,
-    episode_calls,
-    finish_run,
-    last_data_cutoff,
-    release_lock,
-    renew_lock,
-    rewarded_episodes,
-    start_run,
-)
+from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
 from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
 from trainer.engine_sampling import EngineEndpoint
@@ -45,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class TrainingBusy(RuntimeError):
-    """Another live run holds the policy's training lock."""
+    """Another live job of the policy holds its job lock."""
 
 
 @dataclass(frozen=True)
@@ -81,30 +70,6 @@ def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
     return data_dir / "adapters" / policy / str(version)
 
 
-@contextlib.asynccontextmanager
-async def _heartbeat(
-    db: Database, policy_id: int, owner: str, ttl_s: float, stop: threading.Event
-) -> AsyncIterator[None]:
-    """Renew the lock every ttl/3; a lost lock (taken over after a stall) stops the run."""
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(ttl_s / 3)
-            async with db.session() as session:
-                if not await renew_lock(session, policy_id, owner, ttl_s):
-                    logger.error("lost the training lock of policy %d; stopping", policy_id)
-                    stop.set()
-                    return
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def _load_trajectories(
     db: Database, policy: PolicyInfo, cfg: TrainConfig, request: TrainRequest, report: DataReport
 ) -> tuple[list[Trajectory], datetime | None, datetime]:
@@ -129,7 +94,7 @@ async def _load_trajectories(
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
-    """Train the policy once; raises `TrainingBusy` if another run holds its lock."""
+    """Train the policy once; raises `TrainingBusy` if another job holds the policy's lock."""
     async with db.session() as session:
         policy = await get_policy(session, request.policy)
     if policy is None:
@@ -137,19 +102,24 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     cfg = TrainConfig.from_policy_config(policy.config, **request.overrides)
     if cfg.grouping == "resample" and request.scorer is None:
         raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    # The scheduler's training child runs under the lock of the job that started it.
+    inherited = os.environ.get(OWNER_ENV)
+    owner = inherited or lock_owner()
     async with db.session() as session:
-        if not await acquire_lock(session, policy.id, owner, cfg.lock_ttl_s):
-            raise TrainingBusy(f"policy {policy.name!r} is already being trained")
+        if inherited:
+            held = await renew_lock(session, policy.name, owner, cfg.lock_ttl_s)
+        else:
+            held = await acquire_lock(session, policy.name, owner, "train", cfg.lock_ttl_s)
+    if not held:
+        raise TrainingBusy(f"another job of policy {policy.name!r} is running")
     stop = threading.Event()
     try:
         async with db.session() as session:
             run_id = await start_run(session, policy.id, policy.active_version, cfg.model_dump(mode="json"))
             await session.commit()
-            await renew_lock(session, policy.id, owner, cfg.lock_ttl_s, run_id=run_id)
         logger.info("training run %d of policy %s started (grouping %s)", run_id, policy.name, cfg.grouping)
         tracker = Tracker()
-        async with _heartbeat(db, policy.id, owner, cfg.lock_ttl_s, stop):
+        async with heartbeat(db, policy.name, owner, cfg.lock_ttl_s, on_lost=stop.set):
             try:
                 # Inside the heartbeat: an unreachable tracking server can take its client minutes to give up.
                 tracker = await asyncio.to_thread(
@@ -174,8 +144,9 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             )
             return outcome
     finally:
-        async with db.session() as session:
-            await release_lock(session, policy.id, owner)
+        if not inherited:
+            async with db.session() as session:
+                await release_lock(session, policy.name, owner)
 
 
 async def _train(

@@ -16,13 +16,11 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
-import os
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -34,17 +32,15 @@ import httpx
 from storage.database import Database
 from storage.jobs import (
     RunInfo,
-    acquire_job_lock,
     count_rewarded_episodes,
     get_run,
     last_run_at,
     latest_run_id,
-    release_job_lock,
-    renew_job_lock,
     set_adapter_status,
     start_job_run,
     update_run,
 )
+from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import prune_adapters, prune_calls
 from storage.training import last_data_cutoff
@@ -136,35 +132,22 @@ class JobRunner:
             policy = await get_policy(session, name)
         if policy is None:
             raise LookupError(f"no policy named {name!r}")
-        owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        owner = lock_owner()
         ttl = self.config.lock_ttl_s
         async with self.database.session() as session:
-            if not await acquire_job_lock(session, name, owner, kind, ttl):
+            if not await acquire_lock(session, name, owner, kind, ttl):
                 raise JobBusy(f"a job of policy {name!r} is already running")
-        heartbeat = asyncio.create_task(self._heartbeat(name, owner))
         try:
             jobs: dict[str, Callable[[PolicyInfo, str, Callable[[int], None]], Awaitable[int]]] = {
                 "judge": self._judge,
-                "train": self._train,
+                "train": functools.partial(self._train, owner=owner),
                 "retention": self._retention,
             }
-            return await jobs[kind](policy, trigger, announce)
+            async with heartbeat(self.database, name, owner, ttl):
+                return await jobs[kind](policy, trigger, announce)
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
             async with self.database.session() as session:
-                await release_job_lock(session, name, owner)
-
-    async def _heartbeat(self, name: str, owner: str) -> None:
-        while True:
-            await asyncio.sleep(self.config.lock_ttl_s / 3)
-            try:
-                async with self.database.session() as session:
-                    if not await renew_job_lock(session, name, owner, self.config.lock_ttl_s):
-                        logger.error("lost the job lock of policy %s", name)
-            except Exception as exc:  # the database may be back before the lock expires
-                logger.warning("could not renew the job lock of policy %s: %s", name, exc)
+                await release_lock(session, name, owner)
 
     async def _new_run(self, policy: PolicyInfo, kind: str, trigger: str) -> int:
         async with self.database.session() as session:
@@ -224,14 +207,16 @@ class JobRunner:
         return run_id
 
     # ------------------------------------------------------------------ training
-    async def _train(self, policy: PolicyInfo, trigger: str, announce: Callable[[int], None]) -> int:
+    async def _train(
+        self, policy: PolicyInfo, trigger: str, announce: Callable[[int], None], *, owner: str
+    ) -> int:
         async with self.database.session() as session:
             before = await latest_run_id(session, policy.id, "train")
         log_path = self.config.data_dir / "logs" / f"train-{policy.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         await self._engine_sleep(True)
         try:
-            rc, tail, run_id = await self._run_child(policy, before, announce, log_path)
+            rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path)
         finally:
             await self._engine_sleep(False)
         error = "".join(tail).strip()[-4000:] or f"training process exited with {rc}"
@@ -259,13 +244,13 @@ class JobRunner:
         return {**(run.config if run is not None else {}), "trigger": trigger}
 
     async def _run_child(
-        self, policy: PolicyInfo, before: int, announce: Callable[[int], None], log_path: Path
+        self, policy: PolicyInfo, owner: str, before: int, announce: Callable[[int], None], log_path: Path
     ) -> tuple[int | None, collections.deque[str], int | None]:
         argv = [*self.config.train_command, "--policy", policy.name]
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         process = await asyncio.create_subprocess_exec(
             *argv,
-            env=dict(self.config.child_env),
+            env={**self.config.child_env, OWNER_ENV: owner},  # the child trains under this job's lock
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,

@@ -10,16 +10,18 @@ from litestar import Controller, Request, get, put
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 from msgspec import UNSET, Struct, UnsetType
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.capture import CaptureSink
 from gateway.errors import APIError, InvalidRequest, NotFound
-from storage.database import Database
 from storage.episodes import Trajectory, get_trajectory, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
 
+# The API's names differ from storage's in places (`request_id` is a call's id): fields are renamed, and
+# `msgspec.convert(..., from_attributes=True)` fills them from the storage dataclasses.
 class TurnOut(Struct):
-    request_id: str
+    call_id: str = msgspec.field(name="request_id")
     position: int
     model: str
     status: str
@@ -31,7 +33,7 @@ class TurnOut(Struct):
 
 class RewardOut(Struct):
     id: int
-    request_id: str | None
+    call_id: str | None = msgspec.field(name="request_id")
     source: str
     name: str
     value: float
@@ -42,7 +44,7 @@ class RewardOut(Struct):
 
 
 class EpisodeOut(Struct):
-    id: str
+    episode_id: str = msgspec.field(name="id")
     policy: str | None
     group_key: str | None
     metadata: dict[str, Any]
@@ -51,9 +53,9 @@ class EpisodeOut(Struct):
     reward_provenance: dict[str, Any] | None
     messages: list[dict[str, Any]]
     turns: list[TurnOut]
-    rewards: list[RewardOut]
-    created_at: datetime | None
-    updated_at: datetime | None
+    rewards: list[RewardOut] = []
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
 
 
 class EpisodeUpdate(Struct, forbid_unknown_fields=True):
@@ -62,29 +64,9 @@ class EpisodeUpdate(Struct, forbid_unknown_fields=True):
 
 
 def _out(trajectory: Trajectory, rewards: list[RewardInfo]) -> EpisodeOut:
-    return EpisodeOut(
-        id=trajectory.episode_id,
-        policy=trajectory.policy,
-        group_key=trajectory.group_key,
-        metadata=trajectory.metadata,
-        tags=trajectory.tags,
-        reward=trajectory.reward,
-        reward_provenance=trajectory.reward_provenance,
-        messages=trajectory.messages,
-        turns=[
-            TurnOut(
-                t.call_id, t.position, t.model, t.status, t.message, t.finish_reason, t.usage, t.created_at
-            )
-            for t in trajectory.turns
-        ],
-        rewards=[
-            RewardOut(
-                r.id, r.call_id, r.source, r.name, r.value, r.label, r.comment, r.metadata, r.created_at
-            )
-            for r in rewards
-        ],
-        created_at=trajectory.created_at,
-        updated_at=trajectory.updated_at,
+    out = msgspec.convert(trajectory, EpisodeOut, from_attributes=True)
+    return msgspec.structs.replace(
+        out, rewards=msgspec.convert(rewards, list[RewardOut], from_attributes=True)
     )
 
 
@@ -95,12 +77,11 @@ class EpisodeNotWritten(APIError):
 class EpisodesController(Controller):
     path = "/episodes"
 
-    async def _load(self, database: Database, sink: CaptureSink, episode_id: str) -> EpisodeOut:
-        async with database.session() as session:
-            trajectory = await get_trajectory(session, episode_id)
-            if trajectory is not None:
-                rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
-                return _out(trajectory, rewards)
+    async def _load(self, session: AsyncSession, sink: CaptureSink, episode_id: str) -> EpisodeOut:
+        trajectory = await get_trajectory(session, episode_id)
+        if trajectory is not None:
+            rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
+            return _out(trajectory, rewards)
         if sink.recent.episode(episode_id)[0]:
             raise EpisodeNotWritten(
                 f"episode {episode_id!r} is still in the capture queue; retry shortly",
@@ -113,17 +94,17 @@ class EpisodesController(Controller):
     async def read(
         self,
         episode_id: FromPath[str],
-        database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
-        return await self._load(database, sink, episode_id)
+        return await self._load(session, sink, episode_id)
 
     @put("/{episode_id:str}")
     async def edit(
         self,
         episode_id: FromPath[str],
         request: Request[Any, Any, Any],
-        database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
         """Replace the metadata and/or the tags given; fields left out are kept."""
@@ -131,14 +112,12 @@ class EpisodesController(Controller):
             change = msgspec.json.decode(await request.body(), type=EpisodeUpdate)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidRequest(str(exc), code="invalid_value") from exc
-        async with database.session() as session:
-            found = await update_episode(
-                session,
-                episode_id,
-                metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
-                tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
-            )
-            await session.commit()
+        found = await update_episode(
+            session,
+            episode_id,
+            metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
+            tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
+        )
         if not found:
-            await self._load(database, sink, episode_id)  # raises the right 404 / 409
-        return await self._load(database, sink, episode_id)
+            await self._load(session, sink, episode_id)  # raises the right 404 / 409
+        return await self._load(session, sink, episode_id)

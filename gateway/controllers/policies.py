@@ -8,6 +8,7 @@ import msgspec
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
 from gateway.errors import InvalidRequest, NotFound
@@ -43,20 +44,19 @@ class PolicyView(msgspec.Struct):
     versions: list[AdapterView]
 
 
-async def _view(database: Database, name: str | None = None) -> list[PolicyView]:
-    async with database.session() as session:
-        views = []
-        for policy in await list_policies(session):
-            if name is not None and policy.name != name:
-                continue
-            versions = [
-                AdapterView(a.version, a.status, a.path, a.parent_version, a.metrics)
-                for a in await list_adapters(session, policy.id)
-            ]
-            views.append(
-                PolicyView(policy.name, policy.base_model, policy.active_version, policy.config, versions)
-            )
-        return views
+async def _view(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
+    views = []
+    for policy in await list_policies(session):
+        if name is not None and policy.name != name:
+            continue
+        versions = [
+            AdapterView(a.version, a.status, a.path, a.parent_version, a.metrics)
+            for a in await list_adapters(session, policy.id)
+        ]
+        views.append(
+            PolicyView(policy.name, policy.base_model, policy.active_version, policy.config, versions)
+        )
+    return views
 
 
 class PoliciesController(Controller):
@@ -64,47 +64,48 @@ class PoliciesController(Controller):
     guards = [require_admin_key]  # noqa: RUF012
 
     @get("")
-    async def list_all(self, database: NamedDependency[Database]) -> list[PolicyView]:
+    async def list_all(self, session: NamedDependency[AsyncSession]) -> list[PolicyView]:
         """Every policy with its versions, their status and metrics."""
-        return await _view(database)
+        return await _view(session)
 
     @post("", status_code=201)
     async def create(
         self,
         data: JSONBody[CreatePolicy],
         database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> PolicyView:
         """Create a policy; version 0 (a zero-effect LoRA) is built and made active."""
+        # Built in sessions of its own (the CLI shares it); a concurrent create of the same name loses on the
+        # unique key and is answered 409 by the app.
         try:
             await create_policy_with_initial_adapter(
                 database, settings.data_dir, data.name, data.base_model or settings.base_model, data.config
             )
         except (PolicyExists, ValueError) as exc:
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
-        [view] = await _view(database, data.name)
+        [view] = await _view(session, data.name)
         return view
 
     @post("/{name:str}/promote", status_code=200)
     async def promote(
-        self, name: FromPath[str], data: JSONBody[Promote], database: NamedDependency[Database]
+        self, name: FromPath[str], data: JSONBody[Promote], session: NamedDependency[AsyncSession]
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
-        async with database.session() as session:
-            try:
-                await promote(session, name, data.version)
-            except LookupError as exc:
-                raise NotFound(str(exc), param="version", code="version_not_found") from exc
-        [view] = await _view(database, name)
+        try:
+            await promote(session, name, data.version)
+        except LookupError as exc:
+            raise NotFound(str(exc), param="version", code="version_not_found") from exc
+        [view] = await _view(session, name)
         return view
 
     @post("/{name:str}/rollback", status_code=200)
-    async def rollback(self, name: FromPath[str], database: NamedDependency[Database]) -> PolicyView:
+    async def rollback(self, name: FromPath[str], session: NamedDependency[AsyncSession]) -> PolicyView:
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
-        async with database.session() as session:
-            try:
-                await rollback(session, name)
-            except LookupError as exc:
-                raise NotFound(str(exc), param="name", code="no_previous_version") from exc
-        [view] = await _view(database, name)
+        try:
+            await rollback(session, name)
+        except LookupError as exc:
+            raise NotFound(str(exc), param="name", code="no_previous_version") from exc
+        [view] = await _view(session, name)
         return view

@@ -3,36 +3,21 @@ or retention run now, and pause or resume a policy's schedule (admin key)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 import msgspec
 from litestar import Controller, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.scheduling import Jobs
-from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
 from trainer.schedule_config import ScheduleConfig
 from trainer.scheduler import JobBusy, JobKind
-
-
-class RunView(msgspec.Struct):
-    id: int
-    policy: str
-    kind: str
-    status: str
-    from_version: int | None
-    to_version: int | None
-    config: dict[str, Any]
-    metrics: dict[str, Any]
-    error: str | None
-    started_at: datetime
-    finished_at: datetime | None
 
 
 class Started(msgspec.Struct):
@@ -46,22 +31,6 @@ class ScheduleView(msgspec.Struct):
     schedule: dict[str, Any]
 
 
-def _view(run: RunInfo) -> RunView:
-    return RunView(
-        run.id,
-        run.policy,
-        run.kind,
-        run.status,
-        run.from_version,
-        run.to_version,
-        run.config,
-        run.metrics,
-        run.error,
-        run.started_at,
-        run.finished_at,
-    )
-
-
 class RunsController(Controller):
     path = "/admin"
     guards = [require_admin_key]  # noqa: RUF012
@@ -69,23 +38,21 @@ class RunsController(Controller):
     @get("/runs")
     async def list_all(
         self,
-        database: NamedDependency[Database],
+        session: NamedDependency[AsyncSession],
         policy: FromQuery[str | None] = None,
         kind: FromQuery[str | None] = None,
         limit: FromQuery[int] = 100,
-    ) -> list[RunView]:
+    ) -> list[RunInfo]:
         """Runs of every kind (train, judge, retention), newest first; a train run's gate decision is in
         `metrics.gate`."""
-        async with database.session() as session:
-            return [_view(r) for r in await list_runs(session, policy, kind, max(1, min(limit, 1000)))]
+        return await list_runs(session, policy, kind, max(1, min(limit, 1000)))
 
     @get("/runs/{run_id:int}")
-    async def get_one(self, run_id: FromPath[int], database: NamedDependency[Database]) -> RunView:
-        async with database.session() as session:
-            run = await get_run(session, run_id)
+    async def get_one(self, run_id: FromPath[int], session: NamedDependency[AsyncSession]) -> RunInfo:
+        run = await get_run(session, run_id)
         if run is None:
             raise NotFound(f"no run {run_id}", param="run_id", code="run_not_found")
-        return _view(run)
+        return run
 
     @post("/policies/{name:str}/train", status_code=202)
     async def train(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
@@ -104,17 +71,17 @@ class RunsController(Controller):
 
     @post("/policies/{name:str}/pause", status_code=200)
     async def pause(
-        self, name: FromPath[str], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
+        self, name: FromPath[str], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Stop the policy's scheduled jobs (manual runs still work)."""
-        return await _set_paused(database, jobs, name, True)
+        return await _set_paused(session, jobs, name, True)
 
     @post("/policies/{name:str}/resume", status_code=200)
     async def resume(
-        self, name: FromPath[str], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
+        self, name: FromPath[str], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Restart the policy's scheduled jobs."""
-        return await _set_paused(database, jobs, name, False)
+        return await _set_paused(session, jobs, name, False)
 
 
 async def _start(jobs: Jobs, name: str, kind: JobKind) -> Started:
@@ -127,17 +94,16 @@ async def _start(jobs: Jobs, name: str, kind: JobKind) -> Started:
     return Started(run_id, name, kind)
 
 
-async def _set_paused(database: Database, jobs: Jobs, name: str, paused: bool) -> ScheduleView:
-    async with database.session() as session:
-        policy = await get_policy(session, name)
-        if policy is None:
-            raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
-        try:
-            schedule = ScheduleConfig.from_policy_config(policy.config)
-        except ValueError as exc:
-            raise InvalidRequest(f"the policy's schedule is invalid: {exc}", param="schedule") from exc
-        stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
-        await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
-        await session.commit()
+async def _set_paused(session: AsyncSession, jobs: Jobs, name: str, paused: bool) -> ScheduleView:
+    policy = await get_policy(session, name)
+    if policy is None:
+        raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+    try:
+        schedule = ScheduleConfig.from_policy_config(policy.config)
+    except ValueError as exc:
+        raise InvalidRequest(f"the policy's schedule is invalid: {exc}", param="schedule") from exc
+    stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
+    await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
+    await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own
     await jobs.sync()
     return ScheduleView(name, schedule.model_copy(update={"paused": paused}).model_dump(mode="json"))

@@ -18,7 +18,8 @@ from sqlalchemy import update
 
 from gateway.settings import Settings, async_database_url
 from storage.database import Database
-from storage.jobs import acquire_job_lock, list_runs, release_job_lock, renew_job_lock
+from storage.jobs import list_runs
+from storage.locks import acquire_lock
 from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
 from storage.schema import upgrade_database
@@ -61,28 +62,6 @@ async def fresh_database(url: str) -> Database:
     url = async_database_url(url)
     await upgrade_database(url)
     return Database(url)
-
-
-def test_job_lock_is_exclusive_and_expires(database_url: str) -> None:
-    async def scenario() -> None:
-        database = await fresh_database(database_url)
-        try:
-            async with database.session() as session:
-                assert await acquire_job_lock(session, "p", "a", "judge", ttl_s=60)
-                assert not await acquire_job_lock(session, "p", "b", "train", ttl_s=60)
-                assert await acquire_job_lock(session, "q", "b", "train", ttl_s=60)  # other policies are free
-                assert not await renew_job_lock(session, "p", "b", ttl_s=60)
-                await release_job_lock(session, "p", "a")
-                assert await acquire_job_lock(session, "p", "b", "train", ttl_s=0.2)
-                # b stops renewing (crashed): once its lock expires, c takes it over.
-                await wait_until_async(
-                    lambda: acquire_job_lock(session, "p", "c", "judge", ttl_s=60), "b's lock to expire"
-                )
-                assert not await renew_job_lock(session, "p", "b", ttl_s=60)
-        finally:
-            await database.dispose()
-
-    asyncio.run(scenario())
 
 
 def test_two_processes_racing_for_one_policy_run_it_once(
@@ -303,7 +282,7 @@ def test_admin_api_triggers_lists_and_pauses(make_gateway: Callable[..., Any], d
                 # another process is running a job of "busy"
                 await create_policy(session, "busy", "base", {})
                 await session.commit()
-                assert await acquire_job_lock(session, "busy", "elsewhere", "train", ttl_s=60)
+                assert await acquire_lock(session, "busy", "elsewhere", "train", ttl_s=60)
         finally:
             await database.dispose()
 

@@ -137,8 +137,8 @@ def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model:
 @pytest.mark.usefixtures("embedded_model")
 def test_second_run_of_a_policy_is_refused(tmp_path: Path) -> None:
     """The lock is in the database: a held, unexpired lock refuses the run before any work starts."""
+    from storage.locks import acquire_lock
     from storage.policies import get_policy
-    from storage.training import acquire_lock
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
 
@@ -151,7 +151,7 @@ def test_second_run_of_a_policy_is_refused(tmp_path: Path) -> None:
                 await session.commit()
                 policy = await get_policy(session, "p")
                 assert policy is not None
-                assert await acquire_lock(session, policy.id, "other-job", ttl_s=60)
+                assert await acquire_lock(session, "p", "other-job", "judge", ttl_s=60)
             with pytest.raises(TrainingBusy):
                 await run_training(db, TrainRequest("p", tmp_path, "unused"))
         finally:

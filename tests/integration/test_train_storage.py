@@ -1,4 +1,4 @@
-"""The trainer's SQL on SQLite and PostgreSQL: rewarded-episode selection and the per-policy training lock."""
+"""The trainer's SQL on SQLite and PostgreSQL: rewarded-episode selection and training runs."""
 
 from __future__ import annotations
 
@@ -14,12 +14,9 @@ from storage.policies import create_policy
 from storage.records import CallRecord
 from storage.schema import upgrade_database
 from storage.training import (
-    acquire_lock,
     episode_calls,
     finish_run,
     last_data_cutoff,
-    release_lock,
-    renew_lock,
     rewarded_episodes,
     start_run,
 )
@@ -92,38 +89,7 @@ def test_selection_window_rewards_and_lock(database_url: str) -> None:
                 )
                 await session.commit()
                 assert await last_data_cutoff(session, policy.id) == until
-
-                assert await acquire_lock(session, policy.id, "a", ttl_s=60)
-                assert not await acquire_lock(session, policy.id, "b", ttl_s=60)
-                assert not await renew_lock(session, policy.id, "b", ttl_s=60)
-                assert await renew_lock(session, policy.id, "a", ttl_s=-1)  # a crashed owner: already expired
-                assert await acquire_lock(session, policy.id, "b", ttl_s=60)  # stale lock taken over
-                assert not await renew_lock(session, policy.id, "a", ttl_s=60)
-                await release_lock(session, policy.id, "b")
-                assert await acquire_lock(session, policy.id, "c", ttl_s=60)
         finally:
             await db.dispose()
 
     asyncio.run(scenario())
-
-
-def test_lock_is_exclusive_under_concurrency(database_url: str) -> None:
-    url = async_database_url(database_url)
-
-    async def scenario() -> list[bool]:
-        await upgrade_database(url)
-        db = Database(url)
-        try:
-            async with db.session() as session:
-                policy = await create_policy(session, "p", "base")
-                await session.commit()
-
-            async def attempt(owner: str) -> bool:
-                async with db.session() as session:
-                    return await acquire_lock(session, policy.id, owner, ttl_s=60)
-
-            return list(await asyncio.gather(*(attempt(f"o{i}") for i in range(5))))
-        finally:
-            await db.dispose()
-
-    assert sorted(asyncio.run(scenario())) == [False, False, False, False, True]

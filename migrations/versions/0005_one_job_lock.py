@@ -1,0 +1,34 @@
+"""one job lock: training runs hold the policy's `job_locks` row; `training_locks` is dropped
+
+Revision ID: 0005
+Revises: 0004
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0005"
+down_revision: str | None = "0004"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.drop_table("training_locks")
+
+
+def downgrade() -> None:
+    op.create_table(
+        "training_locks",
+        sa.Column("policy_id", sa.Integer(), nullable=False),
+        sa.Column("owner", sa.String(length=128), nullable=False),
+        sa.Column("run_id", sa.Integer(), nullable=True),
+        sa.Column("acquired_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(["policy_id"], ["policies.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("policy_id"),
+    )
