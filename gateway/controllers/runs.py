@@ -12,12 +12,12 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from gateway.auth import require_admin_key
-from gateway.errors import APIError, InvalidRequest, NotFound
+from gateway.errors import APIError, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
 from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
-from trainer.schedule_config import ScheduleConfig
+from trainer.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.scheduler import JobBusy, JobKind
 
 
@@ -133,9 +133,9 @@ async def _set_paused(database: Database, jobs: Jobs, name: str, paused: bool) -
         if policy is None:
             raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
         try:
-            schedule = ScheduleConfig.from_policy_config(policy.config)
-        except ValueError as exc:
-            raise InvalidRequest(f"the policy's schedule is invalid: {exc}", param="schedule") from exc
+            schedule = load_policy_config(policy.config).schedule
+        except InvalidPolicyConfig as exc:
+            raise invalid_policy_config(exc) from exc
         stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
         await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
         await session.commit()
