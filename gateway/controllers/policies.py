@@ -10,11 +10,12 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from gateway.auth import require_admin_key
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
 from storage.database import Database
 from storage.policies import PolicyExists, list_adapters, list_policies, promote, rollback
+from trainer.policy_config import InvalidPolicyConfig
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
@@ -75,11 +76,16 @@ class PoliciesController(Controller):
         database: NamedDependency[Database],
         settings: NamedDependency[Settings],
     ) -> PolicyView:
-        """Create a policy; version 0 (a zero-effect LoRA) is built and made active."""
+        """Create a policy; version 0 (a zero-effect LoRA) is built and made active.
+
+        The whole `config` is validated first: a 400 names every unknown key and bad value, nothing is written.
+        """
         try:
             await create_policy_with_initial_adapter(
                 database, settings.data_dir, data.name, data.base_model or settings.base_model, data.config
             )
+        except InvalidPolicyConfig as exc:
+            raise invalid_policy_config(exc) from exc
         except (PolicyExists, ValueError) as exc:
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
         [view] = await _view(database, data.name)
