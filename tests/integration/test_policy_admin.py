@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.cli import main
 from storage.database import Database
@@ -128,3 +130,15 @@ def test_pausing_a_policy_whose_stored_configuration_is_invalid_names_the_proble
     assert paused.status_code == 400, paused.text
     message = paused.json()["error"]["message"]
     assert "gate.samples" in message and "schedule.x: unknown key" in message
+
+
+def test_the_cli_refuses_a_bad_policy_configuration_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    config = tmp_path / "policy.json"
+    config.write_text(json.dumps({"train": {"epochs": 0}, "gate": {"tolerance": "low"}}))
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    assert main(["policy", "create", "bot", "--policy-config", str(config), *flags]) == 2
+    assert "train.epochs" in caplog.text and "gate.tolerance" in caplog.text
+    assert query(url, "SELECT name FROM policies") == []
