@@ -399,12 +399,12 @@ def load_policy_config(
     `train_overrides` (e.g. `kaizen train --set`) replace keys of the `train` section for one run. Raises
     `InvalidPolicyConfig` naming every problem.
     """
-    data: Any = dict(raw or {}) if isinstance(raw, Mapping) or raw is None else raw
-    if isinstance(data, dict):
-        data = {k: v for k, v in data.items() if not (v is None and k in PolicyConfig.model_fields)}
-        if train_overrides:
-            train = data.get("train", {})
-            data["train"] = {**train, **train_overrides} if isinstance(train, Mapping) else train
+    data: Any = raw  # anything but an object is left for pydantic to report
+    if raw is None or isinstance(raw, Mapping):
+        data = {k: v for k, v in (raw or {}).items() if not (v is None and k in PolicyConfig.model_fields)}
+        train = data.get("train", {})
+        if train_overrides and isinstance(train, Mapping):
+            data["train"] = {**train, **train_overrides}
     try:
         return PolicyConfig.model_validate(data)
     except ValidationError as exc:
