@@ -138,6 +138,7 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
+    config = json.loads(args.policy_config.read_text()) if args.policy_config else None
 
     async def run() -> None:
         async with open_database(settings.database_url) as database:
@@ -146,6 +147,7 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
                 settings.data_dir,
                 args.name,
                 settings.base_model,
+                config,
                 exist_ok=args.exist_ok,
             )
         log.info(
@@ -361,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     create.add_argument("name")
     create.add_argument("--exist-ok", action="store_true", help="Succeed if the policy already exists.")
+    create.add_argument(
+        "--policy-config",
+        type=Path,
+        metavar="FILE",
+        help="JSON file with the policy's configuration (sections rewards, train, schedule, gate).",
+    )
     add_settings_flags(create)
     create.set_defaults(func=cmd_policy_create)
     promote = policy_commands.add_parser("promote", help="Make version N the active version of a policy.")

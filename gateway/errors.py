@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from litestar import Response
 
 from gateway.protocol import ErrorBody, ErrorResponse
+
+if TYPE_CHECKING:
+    from trainer.policy_config import InvalidPolicyConfig
 
 
 class APIError(Exception):
@@ -43,6 +48,11 @@ class APIError(Exception):
 
 class InvalidRequest(APIError):
     status_code = 400
+
+
+def invalid_policy_config(exc: InvalidPolicyConfig, param: str = "config") -> InvalidRequest:
+    """A 400 whose message names every problem of a submitted policy configuration (`train.epochs: ...`)."""
+    return InvalidRequest(str(exc), param=param, code="invalid_policy_config")
 
 
 class AuthenticationError(APIError):

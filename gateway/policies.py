@@ -1,7 +1,8 @@
 """Creating policies: a database row plus version 0, an initialised LoRA with zero effect, so the loop can start.
 
-Used by `kaizen policy create` and `POST /admin/policies`. Building version 0 loads the base model with torch,
-so it runs in a worker thread when called from the server.
+Used by `kaizen policy create` and `POST /admin/policies`. The configuration is validated whole before anything
+is written. Building version 0 loads the base model with torch, so it runs in a worker thread when called from
+the server.
 """
 
 from __future__ import annotations
@@ -22,24 +23,23 @@ from storage.policies import (
     create_policy,
     get_policy,
 )
+from trainer.policy_config import TrainConfig, load_policy_config
 
 log = logging.getLogger(__name__)
 
 
-def build_initial_adapter(base_path: str, target: Path, train_config: dict[str, Any]) -> None:
+def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfig) -> None:
     """Save a fresh LoRA for the base model. PEFT initialises B to zero, so it changes nothing yet.
 
-    torch and the trainer are imported here: the gateway itself installs and starts without them.
+    torch and the trainer's model code are imported here: the gateway itself installs and starts without them.
     """
     import torch
 
-    from trainer.config import TrainConfig
     from trainer.model import load_policy, save_adapter
 
-    config = TrainConfig.model_validate(train_config)
     if target.exists():
         return  # an earlier, interrupted create got this far: the directory is complete (it is renamed in)
-    model, _ = load_policy(base_path, None, config, torch.device("cpu"))
+    model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
     save_adapter(model, target)
 
 
@@ -52,7 +52,12 @@ async def create_policy_with_initial_adapter(
     *,
     exist_ok: bool = False,
 ) -> PolicyInfo:
-    """Create policy `name` on `base_model` with version 0 active. Idempotent with `exist_ok`."""
+    """Create policy `name` on `base_model` with version 0 active. Idempotent with `exist_ok`.
+
+    Raises `InvalidPolicyConfig` (naming every problem) for a bad `config`; it is stored as given, so keys
+    it leaves out keep following the defaults."""
+    config = config or {}
+    validated = load_policy_config(config)
     async with database.session() as session:
         existing = await get_policy(session, name)
     if existing is not None:
@@ -61,11 +66,10 @@ async def create_policy_with_initial_adapter(
         raise PolicyExists(f"policy {name!r} already exists")
     if "@" in name or "/" in name or not name.strip():
         raise ValueError("a policy name must be non-empty and contain neither '@' nor '/'")
-    config = config or {}
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
     target = adapter_dir(data_dir, name, 0)
     log.info("building version 0 of %s at %s", name, target)
-    await asyncio.to_thread(build_initial_adapter, base_path, target, config.get("train", {}))
+    await asyncio.to_thread(build_initial_adapter, base_path, target, validated.train)
     async with database.session() as session:
         policy = await create_policy(session, name, base_model, config)
         await add_adapter(session, policy.id, 0, str(target.resolve()), status="active")

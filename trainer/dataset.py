@@ -15,7 +15,7 @@ from typing import Any
 import polars as pl
 
 from storage.training import CallRow, EpisodeRow
-from trainer.config import TrainConfig
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

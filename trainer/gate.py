@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
 
 from storage.database import Database
 from storage.episodes import Trajectory
@@ -30,42 +29,10 @@ from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
 from trainer.engine_sampling import gateway_headers, post_completion
+from trainer.policy_config import GateConfig
 from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)
-
-
-class GateConfig(BaseModel):
-    """How a candidate is evaluated, stored as ``policies.config["gate"]``; every field has a default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    holdout_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Share of groups (by a hash of their key) kept out of training."
-    )
-    max_groups: int = Field(8, ge=1, description="Held-out contexts evaluated, the newest first.")
-    samples: int = Field(
-        4, ge=1, description="Replies per context from each version (one when temperature is 0)."
-    )
-    max_tokens: int = Field(128, ge=1, description="Reply length cap when sampling.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both versions.")
-    tolerance: float = Field(
-        0.02, ge=0, description="The candidate's mean reward may be at most this much below the active one's."
-    )
-    promote: bool = Field(
-        True, description="Promote a candidate that passes; false: only record the decision."
-    )
-    collapse_bounds: dict[str, float] = Field(
-        default_factory=dict, description="Overrides of trainer.collapse.CollapseBounds fields."
-    )
-    request_timeout_s: float = Field(300.0, gt=0, description="Time allowed for one sampling request.")
-
-    def bounds(self) -> CollapseBounds:
-        return CollapseBounds(**self.collapse_bounds)
-
-    @classmethod
-    def from_policy_config(cls, config: dict[str, Any]) -> GateConfig:
-        return cls.model_validate(dict(config.get("gate") or {}))
 
 
 def is_held_out(group: str, fraction: float) -> bool:

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import polars as pl
 
 from trainer.advantages import group_advantages, has_signal
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

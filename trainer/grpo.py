@@ -21,9 +21,9 @@ from torch import Tensor
 
 from trainer.batch import Batch, TokenizedSample, collate, token_entropy, token_logprobs
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.config import TrainConfig
 from trainer.loss import policy_loss
 from trainer.model import LocalSampler, autocast
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

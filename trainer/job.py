@@ -23,11 +23,11 @@ from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
 from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy, next_version
 from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
 from trainer.engine_sampling import EngineEndpoint
-from trainer.gate import GateConfig, is_held_out
+from trainer.gate import is_held_out
 from trainer.grouping import Group, Sampler, Scorer, group_by_column, group_stats, resample_groups
+from trainer.policy_config import PolicyConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
 
 logger = logging.getLogger(__name__)
@@ -71,16 +71,16 @@ def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
 
 
 async def _load_trajectories(
-    db: Database, policy: PolicyInfo, cfg: TrainConfig, request: TrainRequest, report: DataReport
+    db: Database, policy: PolicyInfo, config: PolicyConfig, request: TrainRequest, report: DataReport
 ) -> tuple[list[Trajectory], datetime | None, datetime]:
     until = request.until or datetime.now(UTC)
     async with db.session() as session:
         since = request.since if request.since is not None else await last_data_cutoff(session, policy.id)
         episodes = select_episodes(
-            await rewarded_episodes(session, policy.name, since=since, until=until), cfg, report
+            await rewarded_episodes(session, policy.name, since=since, until=until), config.train, report
         )
         # Groups the evaluation gate keeps out are never trained on, so the gate judges unseen tasks.
-        holdout = GateConfig.from_policy_config(policy.config).holdout_fraction
+        holdout = config.gate.holdout_fraction
         kept = [e for e in episodes if not is_held_out(e.group_key or e.id, holdout)]
         report.add("held_out_for_gate", len(episodes) - len(kept))
         episodes = kept
@@ -99,7 +99,8 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
         policy = await get_policy(session, request.policy)
     if policy is None:
         raise ValueError(f"unknown policy {request.policy!r}")
-    cfg = TrainConfig.from_policy_config(policy.config, **request.overrides)
+    config = load_policy_config(policy.config, train_overrides=request.overrides)
+    cfg = config.train
     if cfg.grouping == "resample" and request.scorer is None:
         raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
     # The scheduler's training child runs under the lock of the job that started it.
@@ -125,7 +126,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
                 tracker = await asyncio.to_thread(
                     open_tracker, cfg, policy=policy.name, run_id=run_id, from_version=policy.active_version
                 )
-                outcome = await _train(db, policy, cfg, request, run_id, stop)
+                outcome = await _train(db, policy, config, request, run_id, stop)
             except BaseException as exc:
                 stop.set()  # a worker thread still in the update loop stops at its next micro-batch
                 reason = (
@@ -152,7 +153,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
 async def _train(
     db: Database,
     policy: PolicyInfo,
-    cfg: TrainConfig,
+    config: PolicyConfig,
     request: TrainRequest,
     run_id: int,
     stop: threading.Event,
@@ -163,9 +164,10 @@ async def _train(
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
     from trainer.tokens import tokenize
 
+    cfg = config.train
     started = time.perf_counter()
     report = DataReport()
-    trajectories, since, until = await _load_trajectories(db, policy, cfg, request, report)
+    trajectories, since, until = await _load_trajectories(db, policy, config, request, report)
     window = {"data_since": since.isoformat() if since else None, "data_until": until.isoformat()}
 
     async def finish(

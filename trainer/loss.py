@@ -23,23 +23,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-#: Lower PPO clip ε_low: the usual PPO value; limits how far one update can push a token's
-#: probability down relative to π_old.
-CLIP_LOW = 0.2
-#: Upper clip ε_high > ε_low ("clip-higher", DAPO, Yu et al. 2025): a symmetric clip caps how much
-#: a low-probability token can gain in one step, which starves exploration and drives entropy
-#: collapse; a slightly larger upper bound leaves room for unlikely-but-good tokens to rise.
-CLIP_HIGH = 0.28
-#: Cap C of the truncated importance weight min(π_old/μ, C). Truncated importance sampling (the
-#: "off-policy RL / TIS" line of work on sampler-trainer mismatch) corrects for data drawn from a
-#: different policy while bounding the variance that one unlikely-under-μ token could inject.
-#: 2.0 follows that work; the weight is only truncated above, so tokens the behaviour policy
-#: over-sampled are still down-weighted.
-TIS_CAP = 2.0
-#: KL penalty to the base model is off by default: the clip and the LoRA's small capacity already
-#: keep the policy near the base, DAPO and Dr. GRPO drop the term, and the reference forward pass
-#: costs an extra model evaluation. Collapse is watched by ``trainer.collapse`` instead.
-KL_COEF = 0.0
+from trainer.policy_config import CLIP_HIGH, CLIP_LOW, KL_COEF, TIS_CAP
 
 LossMode = Literal["ppo", "cispo"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from trainer.config import TrainConfig
 from trainer.grouping import Sample
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

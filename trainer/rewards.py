@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from storage.episodes import episode_policies, set_episode_reward
 from storage.policies import get_policy
 from storage.rewards import RewardInfo, rewards_for_episodes
-from trainer.policy_config import RewardConfig, RewardRule, reward_config
+from trainer.policy_config import RewardConfig, RewardRule, load_policy_config
 
 
 def _latest_per_name(signals: Iterable[RewardInfo]) -> dict[str, RewardInfo]:
@@ -58,9 +58,12 @@ def derive_reward(signals: Sequence[RewardInfo], rule: RewardRule) -> tuple[floa
 
 
 async def policy_reward_config(session: AsyncSession, policy: str | None) -> RewardConfig:
-    """The policy's reward configuration, or the defaults when it has no row (e.g. a plain upstream model)."""
+    """The policy's reward configuration, or the defaults when it has no row (e.g. a plain upstream model).
+
+    The whole configuration is validated: a policy whose stored configuration is invalid raises
+    `InvalidPolicyConfig` here too, as everywhere else it is read."""
     info = await get_policy(session, policy) if policy else None
-    return reward_config(info.config if info is not None else None)
+    return load_policy_config(info.config if info is not None else None).rewards
 
 
 async def refresh_episode_rewards(

@@ -44,11 +44,10 @@ from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, releas
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import prune_adapters, prune_calls
 from storage.training import last_data_cutoff
-from trainer.gate import EngineSampler, GateConfig, GateResult, evaluate
+from trainer.gate import EngineSampler, GateResult, evaluate
 from trainer.judge_job import judge_policy
-from trainer.rewards import policy_reward_config
+from trainer.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
 from trainer.ruler import JudgeSettings
-from trainer.schedule_config import ScheduleConfig, parse_cron
 from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)
@@ -186,7 +185,7 @@ class JobRunner:
         run_id = await self._new_run(policy, "retention", trigger)
         announce(run_id)
         try:
-            config = ScheduleConfig.from_policy_config(policy.config).retention
+            config = load_policy_config(policy.config).schedule.retention
             calls = episodes = 0
             async with self.database.session() as session:
                 fresh = await get_policy(session, policy.name)
@@ -324,16 +323,18 @@ class JobRunner:
         """
         async with self.database.session() as session:
             policy = await get_policy(session, name)
-            reward_config = await policy_reward_config(session, name)
             run = await get_run(session, run_id)
         if policy is None or run is None or run.to_version is None:
             raise LookupError(f"run {run_id} of {name!r} has no candidate version")
         candidate = run.to_version
-        config = GateConfig.from_policy_config(policy.config)
+        policy_config = load_policy_config(policy.config)
+        config = policy_config.gate
         if policy.active_version is None:
             result = GateResult("promote", candidate, -1, ["no active version to compare with"])
         else:
-            scorer = Scorer(reward_config, self.config.judge, webhook_secret=self.config.webhook_secret)
+            scorer = Scorer(
+                policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
+            )
             sampler = EngineSampler(self.config.gate_url, self.config.gate_api_key, config)
             try:
                 result = await evaluate(
@@ -459,9 +460,9 @@ class PolicyScheduler:
         for policy in policies:
             seen.add(policy.name)
             try:
-                config = ScheduleConfig.from_policy_config(policy.config)
-            except ValueError as exc:
-                logger.warning("policy %s has an invalid schedule; its jobs stop: %s", policy.name, exc)
+                config = load_policy_config(policy.config).schedule
+            except InvalidPolicyConfig as exc:
+                logger.warning("policy %s has an invalid configuration; its jobs stop: %s", policy.name, exc)
                 config = ScheduleConfig(paused=True)
             fingerprint = json.dumps(config.model_dump(mode="json"), sort_keys=True)
             if self._fingerprints.get(policy.name) == fingerprint:
@@ -524,7 +525,7 @@ class PolicyScheduler:
         try:
             async with self.database.session() as session:
                 info = await get_policy(session, policy)
-            if info is None or ScheduleConfig.from_policy_config(info.config).paused:
+            if info is None or load_policy_config(info.config).schedule.paused:
                 return
             await self.runner.run(policy, kind, trigger)
         except Exception:

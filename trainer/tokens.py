@@ -14,8 +14,8 @@ import logging
 from typing import Any
 
 from trainer.batch import TokenizedSample
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

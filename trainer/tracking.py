@@ -17,7 +17,7 @@ from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from trainer.config import TrainConfig
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
 

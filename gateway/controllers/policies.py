@@ -11,11 +11,12 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
-from gateway.errors import InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
 from storage.database import Database
 from storage.policies import PolicyExists, list_adapters, list_policies, promote, rollback
+from trainer.policy_config import InvalidPolicyConfig
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
@@ -76,13 +77,18 @@ class PoliciesController(Controller):
         session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
     ) -> PolicyView:
-        """Create a policy; version 0 (a zero-effect LoRA) is built and made active."""
+        """Create a policy; version 0 (a zero-effect LoRA) is built and made active.
+
+        The whole `config` is validated first: a 400 names every unknown key and bad value, nothing is written.
+        """
         # Built in sessions of its own (the CLI shares it); a concurrent create of the same name loses on the
         # unique key and is answered 409 by the app.
         try:
             await create_policy_with_initial_adapter(
                 database, settings.data_dir, data.name, data.base_model or settings.base_model, data.config
             )
+        except InvalidPolicyConfig as exc:
+            raise invalid_policy_config(exc) from exc
         except (PolicyExists, ValueError) as exc:
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
         [view] = await _view(session, data.name)

@@ -12,11 +12,11 @@ from litestar.params import FromPath, FromQuery
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
-from gateway.errors import APIError, InvalidRequest, NotFound
+from gateway.errors import APIError, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
-from trainer.schedule_config import ScheduleConfig
+from trainer.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.scheduler import JobBusy, JobKind
 
 
@@ -99,9 +99,9 @@ async def _set_paused(session: AsyncSession, jobs: Jobs, name: str, paused: bool
     if policy is None:
         raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
     try:
-        schedule = ScheduleConfig.from_policy_config(policy.config)
-    except ValueError as exc:
-        raise InvalidRequest(f"the policy's schedule is invalid: {exc}", param="schedule") from exc
+        schedule = load_policy_config(policy.config).schedule
+    except InvalidPolicyConfig as exc:
+        raise invalid_policy_config(exc) from exc
     stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
     await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
     await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own

@@ -34,6 +34,7 @@ from gateway.base_models import resolve_base_model
 from gateway.engines.vllm import VLLMEngine
 from gateway.policies import build_initial_adapter
 from gateway.settings import Settings
+from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger("bench_engine")
 
@@ -71,7 +72,7 @@ def make_adapters(base_path: str, root: Path, count: int, rank: int) -> list[Pat
     """One adapter built the gateway's way, then copied: each load below reads its own directory."""
     first = root / "0"
     started = time.perf_counter()
-    build_initial_adapter(base_path, first, {"lora_rank": rank, "lora_alpha": 2 * rank})
+    build_initial_adapter(base_path, first, TrainConfig(lora_rank=rank, lora_alpha=2 * rank))
     randomise_lora_b(first, seed=0, std=0.02)
     logger.info("built a rank-%d adapter in %.1f s", rank, time.perf_counter() - started)
     copies = [first]

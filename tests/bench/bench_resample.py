@@ -57,10 +57,10 @@ class InstantScorer:
 async def resample_once(
     url: str, api_key: str, tokenizer: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
-    from trainer.config import TrainConfig
     from trainer.dataset import DataReport, Trajectory
     from trainer.engine_sampling import EngineEndpoint
     from trainer.grouping import resample_groups
+    from trainer.policy_config import TrainConfig
 
     trajectories = [
         Trajectory(

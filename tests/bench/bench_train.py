@@ -29,6 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer.policy_config import TrainConfig
+
 logger = logging.getLogger("bench_train")
 
 GROUPS = 4
@@ -75,7 +77,6 @@ def run_kaizen(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: 
     import torch
 
     from trainer.batch import TokenizedSample
-    from trainer.config import TrainConfig
     from trainer.grpo import run_update
     from trainer.model import load_policy
 
@@ -126,7 +127,7 @@ def run_trl(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # The frozen base in bf16, as Kaizen stores it on a bf16-capable CPU (TRL's `model_init_kwargs` can do the same).
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    cfg_defaults = __import__("trainer.config", fromlist=["TrainConfig"]).TrainConfig()
+    cfg_defaults = TrainConfig()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out,

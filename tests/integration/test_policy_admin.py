@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.cli import main
 from storage.database import Database
-from storage.policies import activate_version, add_adapter, create_policy
+from storage.policies import activate_version, add_adapter, create_policy, get_policy, update_policy_config
 from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
@@ -70,3 +72,73 @@ def test_promote_and_rollback_from_the_cli(tmp_path: Path) -> None:
     assert active(url)[0] == (0, "active")
     assert main(["policy", "rollback", "bot", *flags]) == 2  # nothing earlier than version 0
     assert main(["policy", "promote", "nobody", "1", *flags]) == 2
+
+
+def test_a_bad_policy_configuration_is_refused_whole_and_nothing_is_written(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key="adm")
+    admin = {"authorization": "Bearer adm"}
+    bad = {
+        "train": {"lerning_rate": 1e-4, "group_size": "eight"},
+        "rewards": {"rule": {"kind": "median"}},
+        "schedule": {"train_cron": "nightly"},
+        "gate": {"holdout_fraction": 1.5},
+        "extra": True,
+    }
+    refused = httpx.post(gw.url + "/admin/policies", json={"name": "bot", "config": bad}, headers=admin)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "config",
+        "invalid_policy_config",
+    )
+    for path in (
+        "train.lerning_rate: unknown key",
+        "train.group_size",
+        "rewards.rule.kind",
+        "schedule.train_cron",
+        "gate.holdout_fraction",
+        "extra: unknown key",
+    ):
+        assert path in error["message"], error["message"]
+    assert query(database_url, "SELECT name FROM policies") == []
+    assert httpx.get(gw.url + "/admin/policies", headers=admin).json() == []
+
+
+def test_pausing_a_policy_whose_stored_configuration_is_invalid_names_the_problems(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy(database_url, 1)
+
+    async def break_config() -> None:
+        from gateway.settings import async_database_url
+
+        database = Database(async_database_url(database_url))
+        async with database.session() as session:
+            policy = await get_policy(session, "bot")
+            assert policy is not None
+            await update_policy_config(session, policy.id, {"gate": {"samples": 0}, "schedule": {"x": 1}})
+            await session.commit()
+        await database.dispose()
+
+    asyncio.run(break_config())
+    gw = make_gateway(database_url, admin_key="adm")
+    paused = httpx.post(gw.url + "/admin/policies/bot/pause", headers={"authorization": "Bearer adm"})
+    assert paused.status_code == 400, paused.text
+    message = paused.json()["error"]["message"]
+    assert "gate.samples" in message and "schedule.x: unknown key" in message
+
+
+def test_the_cli_refuses_a_bad_policy_configuration_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    config = tmp_path / "policy.json"
+    config.write_text(json.dumps({"train": {"epochs": 0}, "gate": {"tolerance": "low"}}))
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    assert main(["policy", "create", "bot", "--policy-config", str(config), *flags]) == 2
+    assert "train.epochs" in caplog.text and "gate.tolerance" in caplog.text
+    assert query(url, "SELECT name FROM policies") == []

@@ -18,10 +18,10 @@ from storage.database import Database
 from storage.policies import create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.support.training_data import RewardedReply, write_rewarded_groups
-from trainer.config import TrainConfig
 from trainer.grouping import Sample
 from trainer.job import TrainingBusy, TrainRequest, run_training
 from trainer.model import LocalSampler, load_policy, pick_device
+from trainer.policy_config import TrainConfig
 
 PROMPTS = [
     "Name a color. Reply with one word only.",

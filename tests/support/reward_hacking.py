@@ -20,10 +20,10 @@ import torch
 from storage.episodes import Trajectory as ScoredTrajectory
 from trainer.advantages import group_advantages, has_signal
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport, Trajectory
 from trainer.grpo import run_update
 from trainer.model import LocalSampler, load_policy, save_adapter
+from trainer.policy_config import TrainConfig
 from trainer.tokens import tokenize
 
 Reward = Callable[[dict[str, Any]], float]

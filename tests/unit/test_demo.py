@@ -11,10 +11,7 @@ from gateway.demo.report import Cycle, summarise, write_chart, write_json
 from gateway.demo.runner import DemoOptions, policy_config, summarise_run
 from gateway.demo.task import PAIRS, questions, reward, score
 from gateway.demo.traffic import CallResult, served_version
-from trainer.config import TrainConfig
-from trainer.gate import GateConfig
-from trainer.policy_config import reward_config
-from trainer.schedule_config import ScheduleConfig
+from trainer.policy_config import load_policy_config
 
 QUESTIONS = questions()
 HOT = next(q for q in QUESTIONS if q.word == "hot")
@@ -60,11 +57,13 @@ def test_served_version_comes_from_the_header() -> None:
 
 
 def test_the_demo_policy_config_is_valid_for_every_section() -> None:
-    config = policy_config(DemoOptions(None, Path("d"), Path("m"), "smollm2-135m-instruct"))
-    assert TrainConfig.from_policy_config(config).grouping == "resample"
-    assert ScheduleConfig.from_policy_config(config).train_min_new_episodes == 16
-    assert GateConfig.from_policy_config(config).holdout_fraction > 0
-    assert reward_config(config).scorer.kind == "function"
+    config = load_policy_config(
+        policy_config(DemoOptions(None, Path("d"), Path("m"), "smollm2-135m-instruct"))
+    )
+    assert config.train.grouping == "resample"
+    assert config.schedule.train_min_new_episodes == 16
+    assert config.gate.holdout_fraction > 0
+    assert config.rewards.scorer.kind == "function"
 
 
 def call(question: str, reply: str, value: float, version: int | None, at: float) -> CallResult:

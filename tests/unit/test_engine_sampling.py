@@ -15,10 +15,10 @@ import pytest
 from storage.episodes import Trajectory as ScoredTrajectory
 from tests.support.postgres import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport
 from trainer.engine_sampling import EngineEndpoint, EngineSamplingError, parse_choices
 from trainer.grouping import PolicyScorer, resample_groups
+from trainer.policy_config import TrainConfig
 from trainer.scoring import GroupScore, Score
 from trainer.tokens import tokenize
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trainer.batch import TokenizedSample, collate
-from trainer.config import TrainConfig
 from trainer.grpo import _forward_logprobs, plan_steps
 from trainer.model import bf16_supported, load_policy
+from trainer.policy_config import TrainConfig
 
 
 def test_plan_steps_keeps_the_shuffled_steps_and_sorts_each_by_length() -> None:

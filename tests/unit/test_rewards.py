@@ -12,7 +12,7 @@ from gateway.errors import InvalidRequest
 from gateway.feedback import to_number
 from gateway.judge_command import parse_since
 from storage.rewards import RewardInfo
-from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig, RewardRule, reward_config
+from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig, RewardRule, load_policy_config
 from trainer.rewards import derive_reward
 from trainer.signing import SignatureError, sign, verify
 
@@ -75,20 +75,22 @@ def test_feedback_values() -> None:
 
 
 def test_policy_reward_config() -> None:
-    default = reward_config(None)
+    default = load_policy_config(None).rewards
     assert default.scorer.kind == "judge" and default.feedback.labels["good"] == 1.0
-    configured = reward_config(
-        {"other": 1, "rewards": {"scorer": {"webhook_url": "http://x"}, "judge": {"rubric": "R"}}}
-    )
+    configured = load_policy_config(
+        {"train": {}, "rewards": {"scorer": {"webhook_url": "http://x"}, "judge": {"rubric": "R"}}}
+    ).rewards
     assert configured.scorer.kind == "webhook" and configured.judge.rubric == "R"
     assert (
-        reward_config({"rewards": {"scorer": {"function": "m:f", "webhook_url": "u"}}}).scorer.kind
+        load_policy_config(
+            {"rewards": {"scorer": {"function": "m:f", "webhook_url": "u"}}}
+        ).rewards.scorer.kind
         == "function"
     )
-    with pytest.raises(InvalidPolicyConfig, match="rule"):
-        reward_config({"rewards": {"rule": {"kind": "median"}}})
-    with pytest.raises(InvalidPolicyConfig, match="unknown field"):
-        reward_config({"rewards": {"labelz": {}}})
+    with pytest.raises(InvalidPolicyConfig, match=r"rewards\.rule\.kind"):
+        load_policy_config({"rewards": {"rule": {"kind": "median"}}})
+    with pytest.raises(InvalidPolicyConfig, match=r"rewards\.labelz: unknown key"):
+        load_policy_config({"rewards": {"labelz": {}}})
 
 
 def test_signatures() -> None:

@@ -1,53 +1,17 @@
-"""The typed schedule of a policy: defaults, validation, and the catch-up arithmetic of a restart."""
+"""The scheduler's catch-up arithmetic after a restart, retention's choice of versions, and the gate's checks."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-import pytest
-from pydantic import ValidationError
-
 from storage.policies import AdapterInfo
 from storage.retention import versions_to_keep
 from trainer.collapse import CollapseBounds, measure
-from trainer.gate import GateConfig, collapse_problems, is_held_out
-from trainer.schedule_config import ScheduleConfig
+from trainer.gate import collapse_problems, is_held_out
+from trainer.policy_config import GateConfig
 from trainer.scheduler import catch_up_time, cron_missed
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
-
-
-def test_defaults_close_the_loop() -> None:
-    config = ScheduleConfig.from_policy_config({})
-    assert not config.paused
-    assert config.judge_interval_s == 3600
-    assert config.train_cron == "0 3 * * *"
-    assert config.train_min_new_episodes is None
-    assert config.retention.calls_days == 90 and config.retention.keep_versions == 5
-
-
-def test_reads_the_schedule_key_and_keeps_defaults_for_the_rest() -> None:
-    config = ScheduleConfig.from_policy_config(
-        {"schedule": {"paused": True, "train_cron": None, "train_min_new_episodes": 50}, "rewards": {}}
-    )
-    assert config.paused and config.train_cron is None and config.train_min_new_episodes == 50
-    assert config.judge_interval_s == 3600
-
-
-@pytest.mark.parametrize(
-    "schedule",
-    [
-        {"train_cron": "every night"},
-        {"retention": {"cron": "61 * * * *"}},
-        {"judge_interval_s": 0},
-        {"train_min_new_episodes": 0},
-        {"retention": {"keep_versions": 0}},
-        {"unknown": 1},
-    ],
-)
-def test_invalid_schedules_are_refused(schedule: dict[str, object]) -> None:
-    with pytest.raises(ValidationError):
-        ScheduleConfig.from_policy_config({"schedule": schedule})
 
 
 def test_interval_catch_up_runs_once_now_after_downtime() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from storage.training import CallRow, EpisodeRow
-from trainer.config import TrainConfig
 from trainer.dataset import DataReport, EarlierTurn, Trajectory, build_trajectory, select_episodes
 from trainer.grouping import Sample, group_by_column, resample_groups
+from trainer.policy_config import InvalidPolicyConfig, TrainConfig, load_policy_config
 from trainer.tokens import tokenize
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -293,8 +293,11 @@ def test_overlong_trajectories_are_truncated_or_dropped(overlong: str, kept: boo
 
 
 def test_config_reads_policy_settings_and_rejects_unknown_keys() -> None:
-    cfg = TrainConfig.from_policy_config({"train": {"learning_rate": 1e-4, "grouping": "key"}}, epochs=2)
+    config = {"train": {"learning_rate": 1e-4, "grouping": "key"}}
+    cfg = load_policy_config(config, train_overrides={"epochs": 2}).train
     assert (cfg.learning_rate, cfg.grouping, cfg.epochs, cfg.lora_rank) == (1e-4, "key", 2, 16)
-    with pytest.raises(ValueError, match="lerning_rate"):
-        TrainConfig.from_policy_config({"train": {"lerning_rate": 1}})
+    with pytest.raises(InvalidPolicyConfig, match=r"train\.lerning_rate: unknown key"):
+        load_policy_config({"train": {"lerning_rate": 1}})
+    with pytest.raises(InvalidPolicyConfig, match=r"train\.epochs"):
+        load_policy_config(config, train_overrides={"epochs": 0})
     assert TrainConfig(collapse_bounds={"max_kl_to_base": 1.0}).bounds().max_kl_to_base == 1.0
