@@ -12,6 +12,7 @@ from litestar.params import FromPath
 from msgspec import UNSET, Struct, UnsetType
 
 from gateway.capture import CaptureSink
+from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
 from storage.database import Database
 from storage.episodes import Trajectory, get_trajectory, update_episode
@@ -112,7 +113,7 @@ class EpisodesController(Controller):
     @get("/{episode_id:str}")
     async def read(
         self,
-        episode_id: FromPath[str],
+        episode_id: FromPath[PathName],
         database: NamedDependency[Database],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
@@ -121,7 +122,7 @@ class EpisodesController(Controller):
     @put("/{episode_id:str}")
     async def edit(
         self,
-        episode_id: FromPath[str],
+        episode_id: FromPath[PathName],
         request: Request[Any, Any, Any],
         database: NamedDependency[Database],
         sink: NamedDependency[CaptureSink],

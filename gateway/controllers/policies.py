@@ -10,6 +10,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from gateway.auth import require_admin_key
+from gateway.controllers.params import PathName, Version
 from gateway.errors import InvalidRequest, NotFound
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
@@ -24,7 +25,7 @@ class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Promote(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
+    version: Version
 
 
 class AdapterView(msgspec.Struct):
@@ -87,7 +88,7 @@ class PoliciesController(Controller):
 
     @post("/{name:str}/promote", status_code=200)
     async def promote(
-        self, name: FromPath[str], data: JSONBody[Promote], database: NamedDependency[Database]
+        self, name: FromPath[PathName], data: JSONBody[Promote], database: NamedDependency[Database]
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
         async with database.session() as session:
@@ -99,7 +100,7 @@ class PoliciesController(Controller):
         return view
 
     @post("/{name:str}/rollback", status_code=200)
-    async def rollback(self, name: FromPath[str], database: NamedDependency[Database]) -> PolicyView:
+    async def rollback(self, name: FromPath[PathName], database: NamedDependency[Database]) -> PolicyView:
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
         async with database.session() as session:
             try:

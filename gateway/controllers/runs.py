@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 
 from gateway.auth import require_admin_key
+from gateway.controllers.params import PageLimit, PathName, RowId
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.scheduling import Jobs
 from storage.database import Database
@@ -72,15 +73,15 @@ class RunsController(Controller):
         database: NamedDependency[Database],
         policy: FromQuery[str | None] = None,
         kind: FromQuery[str | None] = None,
-        limit: FromQuery[int] = 100,
+        limit: FromQuery[PageLimit] = 100,
     ) -> list[RunView]:
         """Runs of every kind (train, judge, retention), newest first; a train run's gate decision is in
         `metrics.gate`."""
         async with database.session() as session:
-            return [_view(r) for r in await list_runs(session, policy, kind, max(1, min(limit, 1000)))]
+            return [_view(r) for r in await list_runs(session, policy, kind, limit)]
 
     @get("/runs/{run_id:int}")
-    async def get_one(self, run_id: FromPath[int], database: NamedDependency[Database]) -> RunView:
+    async def get_one(self, run_id: FromPath[RowId], database: NamedDependency[Database]) -> RunView:
         async with database.session() as session:
             run = await get_run(session, run_id)
         if run is None:
@@ -88,30 +89,30 @@ class RunsController(Controller):
         return _view(run)
 
     @post("/policies/{name:str}/train", status_code=202)
-    async def train(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def train(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Train now in a child process; the candidate goes through the gate. Answers with the run id."""
         return await _start(jobs, name, "train")
 
     @post("/policies/{name:str}/judge", status_code=202)
-    async def judge(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def judge(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Score the policy's unscored groups now, in the background."""
         return await _start(jobs, name, "judge")
 
     @post("/policies/{name:str}/retention", status_code=202)
-    async def retention(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def retention(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Prune old calls and unused versions now, in the background."""
         return await _start(jobs, name, "retention")
 
     @post("/policies/{name:str}/pause", status_code=200)
     async def pause(
-        self, name: FromPath[str], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
+        self, name: FromPath[PathName], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Stop the policy's scheduled jobs (manual runs still work)."""
         return await _set_paused(database, jobs, name, True)
 
     @post("/policies/{name:str}/resume", status_code=200)
     async def resume(
-        self, name: FromPath[str], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
+        self, name: FromPath[PathName], database: NamedDependency[Database], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Restart the policy's scheduled jobs."""
         return await _set_paused(database, jobs, name, False)
