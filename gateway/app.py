@@ -171,9 +171,16 @@ def _undecodable_body(
     return _error(400, "The request body is not valid UTF-8.", "invalid_request_error", "invalid_json")
 
 
-def _database_unavailable(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+def _database_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
     """The database is down or locked: the request may succeed later, so 503 with Retry-After, not 500.
-    Calls keep being served meanwhile (capture spools); only routes that read or write the database fail."""
+    Calls keep being served meanwhile (capture spools); only routes that read or write the database fail.
+    A value the database refuses (SQLSTATE class 22) is the request's fault: 400."""
+    if isinstance(exc, DBAPIError) and _sqlstate(exc).startswith("22"):
+        # SQL "data exception" (e.g. a NUL byte in text, which PostgreSQL cannot store): the input's fault.
+        log.info("refused value on %s %s: %s", request.method, request.url.path, exc.orig)
+        return _error(
+            400, "A value in the request cannot be stored.", "invalid_request_error", "invalid_value"
+        )
     if isinstance(exc, DBAPIError) and not _is_connection_error(exc):
         return _internal_error(request, exc)
     log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
@@ -183,6 +190,12 @@ def _database_unavailable(request: Request[Any, Any, Any], exc: Exception) -> Re
 
 
 DATABASE_RETRY_AFTER_S = 5
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    """The PostgreSQL SQLSTATE of a driver error ('' for SQLite and for errors without one)."""
+    code = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)
+    return code if isinstance(code, str) else ""
 
 
 def _is_connection_error(exc: DBAPIError) -> bool:
@@ -267,9 +280,9 @@ def create_app(services: Services) -> Litestar:
             HTTPException: _http_error,
             RecursionError: _undecodable_body,
             UnicodeDecodeError: _undecodable_body,
-            DBAPIError: _database_unavailable,
-            PoolTimeout: _database_unavailable,
-            ConnectionError: _database_unavailable,
+            DBAPIError: _database_error,
+            PoolTimeout: _database_error,
+            ConnectionError: _database_error,
             Exception: _internal_error,
         },
         lifespan=[lifespan],

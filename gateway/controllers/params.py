@@ -23,3 +23,6 @@ Version = Annotated[int, msgspec.Meta(ge=0, le=ROW_ID_MAX)]
 PathName = Annotated[str, Parameter(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 """A name or id in a path (policy name, episode id): no control characters, which PostgreSQL cannot store
 or compare (a NUL byte fails inside the driver) and no real name contains."""
+
+PolicyName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f@/]+$")]
+"""A new policy's name in a JSON body: it becomes a path segment, a directory and part of `policy@N`."""

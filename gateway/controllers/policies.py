@@ -10,7 +10,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
 from gateway.auth import require_admin_key
-from gateway.controllers.params import PathName, Version
+from gateway.controllers.params import PathName, PolicyName, Version
 from gateway.errors import InvalidRequest, NotFound
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
@@ -19,7 +19,7 @@ from storage.policies import PolicyExists, list_adapters, list_policies, promote
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
+    name: PolicyName
     base_model: str | None = None
     config: dict[str, Any] = {}
 

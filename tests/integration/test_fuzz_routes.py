@@ -64,7 +64,12 @@ ROUTES = [
         "/v1/feedback",
         API_KEY,
         {"request_id": "req-does-not-exist", "value": 1.0},
-        {"value": [None, [], {"a": 1}, 1e400], "request_id": [12, None, "x" * 10_000], "items": [5, [1]]},
+        {
+            "value": [None, [], {"a": 1}, 1e400, "nul\u0000"],
+            "request_id": [12, None, "x" * 10_000, "nul\u0000"],
+            "items": [5, [1]],
+            "comment": [5],
+        },
         required=("value",),
     ),
     Route("GET", "/v1/episodes/{episode_id}", API_KEY, params={"episode_id": "ep-none"}),
@@ -73,7 +78,11 @@ ROUTES = [
         "/v1/episodes/{episode_id}",
         API_KEY,
         {"metadata": {"k": "v"}},
-        {"metadata": [[], "x", 5], "tags": ["x", [1, 2], {"a": 1}], "unknown": [1]},
+        {
+            "metadata": [[], "x", 5, {"k": "nul\u0000"}],
+            "tags": ["x", [1, 2], {"a": 1}, ["nul\u0000"]],
+            "unknown": [1],
+        },
         params={"episode_id": "ep-none"},
     ),
     Route("GET", "/v1/models", API_KEY, reads_only=True),
@@ -86,7 +95,7 @@ ROUTES = [
         "/admin/policies",
         ADMIN_KEY,
         {"name": "fuzz", "base_model": "no-such-base-model"},
-        {"name": [None, 5, [], ""], "config": ["x", [1]], "base_model": [5]},
+        {"name": [None, 5, [], "", "nul\u0000"], "config": ["x", [1]], "base_model": [5]},
         required=("name",),
     ),
     Route(
@@ -294,3 +303,19 @@ def test_malformed_requests_get_openai_shaped_4xx_and_write_nothing(
     assert sent >= 100
     assert sum(1 for s in statuses.values() if 400 <= s < 500) >= 100
     assert gw.services.sink.snapshot()["queued"] == 0
+
+
+def test_text_postgresql_cannot_store_is_a_400(
+    make_gateway: Callable[..., GatewayServer], postgres: Any
+) -> None:
+    """A NUL character is valid JSON, but PostgreSQL text cannot hold it: the request's fault, not a 500."""
+    url = postgres.create_database("fuzz_nul")
+    gw = make_gateway(url)
+    call = httpx.post(gw.url + "/v1/chat/completions", json={"model": "scripted-1", "messages": USER})
+    gw.flush()
+    before = _counts(url)
+    body = {"request_id": call.headers["x-request-id"], "value": 1.0, "comment": "nul\u0000"}
+    response = httpx.post(gw.url + "/v1/feedback", json=body)
+    assert response.status_code == 400, response.text
+    validate("ErrorResponse", response.json())
+    assert _counts(url) == before
