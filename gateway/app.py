@@ -13,7 +13,8 @@ from litestar import Litestar, Request, Response, Router
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, require_api_key
@@ -182,6 +183,64 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Error
     return _error(status, str(exc.detail), kind, None)
 
 
+def _undecodable_body(
+    request: Request[Any, Any, Any], exc: RecursionError | UnicodeDecodeError
+) -> Response[ErrorResponse]:
+    """The JSON decoders (ours, Litestar's, the feedback parser's) raise these two for bodies that are nested
+    deeper than the interpreter's stack or hold invalid UTF-8: the client's fault, so a 400, on every route."""
+    log.info("undecodable body on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    if isinstance(exc, RecursionError):
+        return _error(400, "The JSON body is nested too deeply.", "invalid_request_error", "invalid_json")
+    return _error(400, "The request body is not valid UTF-8.", "invalid_request_error", "invalid_json")
+
+
+def _database_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
+    """The database is down or locked: the request may succeed later, so 503 with Retry-After, not 500.
+    Calls keep being served meanwhile (capture spools); only routes that read or write the database fail.
+    A value the database refuses (SQLSTATE class 22) is the request's fault: 400."""
+    if isinstance(exc, DBAPIError) and _sqlstate(exc).startswith("22"):
+        # SQL "data exception" (e.g. a NUL byte in text, which PostgreSQL cannot store): the input's fault.
+        log.info("refused value on %s %s: %s", request.method, request.url.path, exc.orig)
+        return _error(
+            400, "A value in the request cannot be stored.", "invalid_request_error", "invalid_value"
+        )
+    if isinstance(exc, DBAPIError) and not _is_connection_error(exc):
+        return _internal_error(request, exc)
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+    response = _error(503, "The database is unavailable; retry later.", "api_error", "database_unavailable")
+    response.headers["retry-after"] = str(DATABASE_RETRY_AFTER_S)
+    return response
+
+
+DATABASE_RETRY_AFTER_S = 5
+
+
+def _sqlstate(exc: DBAPIError) -> str:
+    """The PostgreSQL SQLSTATE of a driver error ('' for SQLite and for errors without one)."""
+    code = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)
+    return code if isinstance(code, str) else ""
+
+
+def _is_connection_error(exc: DBAPIError) -> bool:
+    """Connection loss, refused connections and SQLite's lock timeouts, as opposed to bad SQL or constraints."""
+    if exc.connection_invalidated:
+        return True
+    original = exc.orig
+    if isinstance(original, OSError | ConnectionError):
+        return True
+    text = str(original).lower()
+    return any(
+        marker in text
+        for marker in (
+            "database is locked",
+            "connection",
+            "could not connect",
+            "server closed",
+            "shutting down",
+        )
+    )
+
+
 def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return _error(500, "Internal error in the gateway.", "api_error", "internal_error")
@@ -244,6 +303,11 @@ def create_app(services: Services) -> Litestar:
             APIError: _api_error,
             IntegrityError: integrity_conflict,
             HTTPException: _http_error,
+            RecursionError: _undecodable_body,
+            UnicodeDecodeError: _undecodable_body,
+            DBAPIError: _database_error,
+            PoolTimeout: _database_error,
+            ConnectionError: _database_error,
             Exception: _internal_error,
         },
         lifespan=[lifespan],

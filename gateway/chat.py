@@ -6,6 +6,7 @@ episode stitching are in-memory lookups.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -168,6 +169,9 @@ class ChatService:
             )
         except APIError as exc:
             self._record(ctx, None, status="error", error=exc, ttft=None)
+            raise
+        except asyncio.CancelledError:  # the client left before the reply (the controller cancels us)
+            self._record(ctx, None, status="client_disconnected", error=None, ttft=None)
             raise
         finally:
             self.router.release(ctx.route)

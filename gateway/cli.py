@@ -80,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import build_services, create_app
+    from gateway.http_protocol import OpenAIHttpToolsProtocol
     from storage.schema import upgrade_database
 
     settings = load_settings(args)
@@ -94,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=OpenAIHttpToolsProtocol,
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,

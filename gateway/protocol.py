@@ -117,6 +117,10 @@ class ResponseFormat(Struct):
 
 
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+# Engines keep token counts in 32-bit and seeds in 64-bit integers: larger numbers are refused here, as the
+# client's error, instead of being sent on (and recorded as a failed call) or overflowing the engine.
+TokenCount = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class ChatCompletionRequest(Struct, kw_only=True):
@@ -125,13 +129,13 @@ class ChatCompletionRequest(Struct, kw_only=True):
 
     model: Annotated[str, Meta(min_length=1)]
     messages: Annotated[list[Message], Meta(min_length=1)]
-    n: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

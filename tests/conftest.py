@@ -72,12 +72,12 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
             data_dir=tmp_path / f"data{len(started)}",
             database_url=database_url,
             engine="upstream",
-            upstream_url=upstream.url,
             upstream_token_ids=True,
             port=0,
             capture_flush_ms=5.0,
             capture_retry_s=0.2,
-            **{"scheduler": False, **overrides},  # no background jobs unless a test asks for them
+            # No background jobs unless a test asks for them; a test may point at its own upstream.
+            **{"scheduler": False, "upstream_url": upstream.url, **overrides},
         )
         server = GatewayServer(settings).start()
         started.append(server)

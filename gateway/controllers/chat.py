@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
 from litestar.response import Stream
+from litestar.types import Receive
 
 from gateway.chat import ChatService
 from gateway.errors import APIError
@@ -32,7 +36,40 @@ class ChatController(Controller):
                 return Stream(
                     relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
                 )
-            return Response(await chat.complete(ctx), media_type="application/json", headers=headers)
+            reply = await _unless_disconnected(chat.complete(ctx), request.receive)
+            return Response(reply, media_type="application/json", headers=headers)
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
             exc.headers.update(headers)
             raise
+
+
+class ClientDisconnected(APIError):
+    """The client closed the connection before the reply; nobody reads this answer."""
+
+    status_code = 499
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[bytes], receive: Receive) -> bytes:
+    """Await `work`, cancelling it if the client disconnects first (the body is already read, so the next
+    ASGI message can only be the disconnect). Streams get this from Litestar; a non-streamed call would
+    otherwise run to the end and be recorded as a served reply nobody received."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected("the client disconnected before the reply", code="client_disconnected")
+    return task.result()

@@ -13,6 +13,7 @@ from msgspec import UNSET, Struct, UnsetType
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.capture import CaptureSink
+from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
 from storage.episodes import Trajectory, get_trajectory, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
@@ -93,7 +94,7 @@ class EpisodesController(Controller):
     @get("/{episode_id:str}")
     async def read(
         self,
-        episode_id: FromPath[str],
+        episode_id: FromPath[PathName],
         session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
@@ -102,7 +103,7 @@ class EpisodesController(Controller):
     @put("/{episode_id:str}")
     async def edit(
         self,
-        episode_id: FromPath[str],
+        episode_id: FromPath[PathName],
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],

@@ -11,6 +11,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
+from gateway.controllers.params import PathName, PolicyName, Version
 from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
@@ -20,13 +21,13 @@ from trainer.policy_config import InvalidPolicyConfig
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
+    name: PolicyName
     base_model: str | None = None
     config: dict[str, Any] = {}
 
 
 class Promote(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
+    version: Version
 
 
 class AdapterView(msgspec.Struct):
@@ -96,7 +97,7 @@ class PoliciesController(Controller):
 
     @post("/{name:str}/promote", status_code=200)
     async def promote(
-        self, name: FromPath[str], data: JSONBody[Promote], session: NamedDependency[AsyncSession]
+        self, name: FromPath[PathName], data: JSONBody[Promote], session: NamedDependency[AsyncSession]
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
         try:
@@ -107,7 +108,7 @@ class PoliciesController(Controller):
         return view
 
     @post("/{name:str}/rollback", status_code=200)
-    async def rollback(self, name: FromPath[str], session: NamedDependency[AsyncSession]) -> PolicyView:
+    async def rollback(self, name: FromPath[PathName], session: NamedDependency[AsyncSession]) -> PolicyView:
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
         try:
             await rollback(session, name)

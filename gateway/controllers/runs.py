@@ -12,6 +12,7 @@ from litestar.params import FromPath, FromQuery
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import require_admin_key
+from gateway.controllers.params import PageLimit, PathName, RowId
 from gateway.errors import APIError, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
 from storage.jobs import RunInfo, get_run, list_runs
@@ -41,44 +42,44 @@ class RunsController(Controller):
         session: NamedDependency[AsyncSession],
         policy: FromQuery[str | None] = None,
         kind: FromQuery[str | None] = None,
-        limit: FromQuery[int] = 100,
+        limit: FromQuery[PageLimit] = 100,
     ) -> list[RunInfo]:
         """Runs of every kind (train, judge, retention), newest first; a train run's gate decision is in
         `metrics.gate`."""
-        return await list_runs(session, policy, kind, max(1, min(limit, 1000)))
+        return await list_runs(session, policy, kind, limit)
 
     @get("/runs/{run_id:int}")
-    async def get_one(self, run_id: FromPath[int], session: NamedDependency[AsyncSession]) -> RunInfo:
+    async def get_one(self, run_id: FromPath[RowId], session: NamedDependency[AsyncSession]) -> RunInfo:
         run = await get_run(session, run_id)
         if run is None:
             raise NotFound(f"no run {run_id}", param="run_id", code="run_not_found")
         return run
 
     @post("/policies/{name:str}/train", status_code=202)
-    async def train(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def train(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Train now in a child process; the candidate goes through the gate. Answers with the run id."""
         return await _start(jobs, name, "train")
 
     @post("/policies/{name:str}/judge", status_code=202)
-    async def judge(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def judge(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Score the policy's unscored groups now, in the background."""
         return await _start(jobs, name, "judge")
 
     @post("/policies/{name:str}/retention", status_code=202)
-    async def retention(self, name: FromPath[str], jobs: NamedDependency[Jobs]) -> Started:
+    async def retention(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
         """Prune old calls and unused versions now, in the background."""
         return await _start(jobs, name, "retention")
 
     @post("/policies/{name:str}/pause", status_code=200)
     async def pause(
-        self, name: FromPath[str], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
+        self, name: FromPath[PathName], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Stop the policy's scheduled jobs (manual runs still work)."""
         return await _set_paused(session, jobs, name, True)
 
     @post("/policies/{name:str}/resume", status_code=200)
     async def resume(
-        self, name: FromPath[str], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
+        self, name: FromPath[PathName], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
     ) -> ScheduleView:
         """Restart the policy's scheduled jobs."""
         return await _set_paused(session, jobs, name, False)

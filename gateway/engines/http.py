@@ -82,10 +82,13 @@ class _SSEStream(EngineStream):
                     yield _decode(data)
                 except msgspec.DecodeError as exc:
                     raise EngineBadResponse("a stream chunk was not valid JSON") from exc
+            # EOF before `[DONE]`: the engine died or dropped the connection; the reply is incomplete.
+            raise EngineError("the engine stream ended before it was complete", code="engine_error")
         except TimeoutError as exc:
             raise EngineTimeout() from exc
         except aiohttp.ClientError as exc:
-            raise EngineError(f"the engine connection broke mid-stream: {exc}", code="engine_error") from exc
+            log.warning("the engine connection broke mid-stream: %s", exc)
+            raise EngineError("the engine connection broke mid-stream", code="engine_error") from exc
 
     async def close(self) -> None:
         self._response.close()
@@ -134,9 +137,12 @@ class OpenAIHTTPClient:
         except TimeoutError as exc:
             raise EngineTimeout() from exc
         except aiohttp.ClientConnectionError as exc:
-            raise EngineUnavailable(f"cannot reach the engine: {exc}") from exc
+            # The address stays in the log: clients have no use for the engine's host and port.
+            log.warning("cannot reach the engine at %s: %s", self.base_url, exc)
+            raise EngineUnavailable("the engine is not reachable") from exc
         except aiohttp.ClientError as exc:
-            raise EngineError(f"engine request failed: {exc}", code="engine_error") from exc
+            log.warning("engine request to %s failed: %s", self.base_url, exc)
+            raise EngineError("the engine request failed", code="engine_error") from exc
         if response.status >= 400:
             try:
                 body_bytes = await response.read()
@@ -152,7 +158,8 @@ class OpenAIHTTPClient:
         except TimeoutError as exc:
             raise EngineTimeout() from exc
         except aiohttp.ClientError as exc:
-            raise EngineError(f"the engine connection broke: {exc}", code="engine_error") from exc
+            log.warning("the engine connection broke: %s", exc)
+            raise EngineError("the engine connection broke", code="engine_error") from exc
         finally:
             response.release()
         try:

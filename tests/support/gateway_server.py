@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 from gateway.app import Services, build_services, create_app
+from gateway.http_protocol import OpenAIHttpToolsProtocol
 from gateway.settings import Settings
 from storage.schema import upgrade_database
 from tests.support.postgres import free_port
@@ -45,6 +46,7 @@ class GatewayServer:
             host="127.0.0.1",
             port=self.port,
             loop="asyncio",
+            http=OpenAIHttpToolsProtocol,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=10,

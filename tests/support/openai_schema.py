@@ -11,7 +11,12 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-SPEC_PATH = Path(__file__).resolve().parents[3] / "shared" / "reference" / "openai-openapi.json"
+_SPEC = Path("shared") / "reference" / "openai-openapi.json"
+# The nearest `shared/` above the checkout: /work/shared for /work/main and for worktrees under /work/wt.
+SPEC_PATH = next(
+    (p / _SPEC for p in Path(__file__).resolve().parents if (p / _SPEC).is_file()),
+    Path(__file__).resolve().parents[3] / _SPEC,
+)
 
 
 def _json_schema(node: Any) -> Any:

@@ -1,0 +1,321 @@
+"""Malformed requests on every route: never a 5xx, every error in OpenAI's shape, nothing written.
+
+The cases are a table of the app's routes crossed with mutators (body, path parameter, query parameter,
+auth header), sent over real HTTP to a real gateway on SQLite and on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+from tests.support.openai_schema import validate
+
+MAX_BODY = 64 * 1024
+API_KEY = "sk-fuzz"
+ADMIN_KEY = "admin-fuzz"
+DEEP = 990  # deeper than the decoders' recursion allows
+TABLES = ("calls", "rewards", "episodes", "policies", "adapters", "training_runs")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # with `{param}` for a path parameter
+    key: str | None  # the bearer token the route wants
+    body: dict[str, Any] | None = None  # a valid body, for routes that take one
+    fields: dict[str, list[Any]] = field(default_factory=dict)  # body field -> values of the wrong type/range
+    params: dict[str, str] = field(default_factory=dict)  # path parameter -> a well-formed value
+    query: dict[str, list[str]] = field(default_factory=dict)  # query parameter -> malformed values
+    reads_only: bool = False  # GET routes that answer 200 to input they ignore
+    required: tuple[str, ...] = ()  # body fields whose absence is an error
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+ROUTES = [
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        API_KEY,
+        {"model": "scripted-1", "messages": USER},
+        {
+            "model": [12, None, "", "no-such-model", ["scripted-1"]],
+            "messages": [[], "hi", [1], [{"role": "wizard", "content": "x"}], None],
+            "n": [0, -1, 10**30, "2"],
+            "max_tokens": [0, -5, 10**30, 1e400, "ten"],
+            "temperature": [-1, 10**30, "hot"],
+            "seed": [10**30, -(10**30)],
+            "max_completion_tokens": [2**31, 0],
+            "stream": ["yes", 1],
+            "tools": [{"type": "function"}, [{"type": "function", "function": {}}]],
+        },
+        required=("model", "messages"),
+    ),
+    Route(
+        "POST",
+        "/v1/feedback",
+        API_KEY,
+        {"request_id": "req-does-not-exist", "value": 1.0},
+        {
+            "value": [None, [], {"a": 1}, 1e400, "nul\u0000"],
+            "request_id": [12, None, "x" * 10_000, "nul\u0000"],
+            "items": [5, [1]],
+            "comment": [5],
+        },
+        required=("value",),
+    ),
+    Route("GET", "/v1/episodes/{episode_id}", API_KEY, params={"episode_id": "ep-none"}),
+    Route(
+        "PUT",
+        "/v1/episodes/{episode_id}",
+        API_KEY,
+        {"metadata": {"k": "v"}},
+        {
+            "metadata": [[], "x", 5, {"k": "nul\u0000"}],
+            "tags": ["x", [1, 2], {"a": 1}, ["nul\u0000"]],
+            "unknown": [1],
+        },
+        params={"episode_id": "ep-none"},
+    ),
+    Route("GET", "/v1/models", API_KEY, reads_only=True),
+    Route("GET", "/healthz", None, reads_only=True),
+    Route("GET", "/readyz", None, reads_only=True),
+    Route("GET", "/admin/capture", ADMIN_KEY, reads_only=True),
+    Route("GET", "/admin/policies", ADMIN_KEY, reads_only=True),
+    Route(
+        "POST",
+        "/admin/policies",
+        ADMIN_KEY,
+        {"name": "fuzz", "base_model": "no-such-base-model"},
+        {"name": [None, 5, [], "", "nul\u0000"], "config": ["x", [1]], "base_model": [5]},
+        required=("name",),
+    ),
+    Route(
+        "POST",
+        "/admin/policies/{name}/promote",
+        ADMIN_KEY,
+        {"version": 1},
+        {"version": [-1, 10**30, "one", None, 1.5]},
+        params={"name": "nope"},
+        required=("version",),
+    ),
+    *[
+        Route("POST", f"/admin/policies/{{name}}/{action}", ADMIN_KEY, params={"name": "nope"})
+        for action in ("rollback", "train", "judge", "retention", "pause", "resume")
+    ],
+    Route(
+        "GET",
+        "/admin/runs",
+        ADMIN_KEY,
+        query={"limit": ["abc", "-1", "0", "99999999999999999999999", "1e400", ""]},
+        reads_only=True,
+    ),
+    Route("GET", "/admin/runs/{run_id}", ADMIN_KEY, params={"run_id": "1"}),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    route: Route
+    path: str
+    content: bytes | None
+    headers: dict[str, str | bytes]
+    rejected: bool  # must be a 4xx
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+BodyMutator = Callable[[dict[str, Any]], bytes]
+
+BODY_MUTATORS: dict[str, BodyMutator] = {
+    "empty body": lambda _: b"",
+    "truncated json": lambda b: _json(b)[:-3],
+    "array body": lambda b: _json([b]),
+    "string body": lambda _: b'"hello"',
+    "number body": lambda _: b"12",
+    "null body": lambda _: b"null",
+    "empty object": lambda _: b"{}",
+    "deep nesting": lambda _: _nested(DEEP).encode(),
+    "deep nesting in a field": lambda b: _json(b)[:-1] + b', "deep": ' + _nested(DEEP).encode() + b"}",
+    "invalid utf-8": lambda b: _json(b)[:-1] + b', "x": "\xff\xfe"}',
+    "invalid utf-8 in a key": lambda b: _json(b)[:-1] + b', "\xc3\x28": 1}',
+    "nul bytes": lambda b: b"\x00" + _json(b),
+    "form encoded": lambda _: b"model=scripted-1&messages=hi",
+    "oversized body": lambda b: _json({**b, "pad": "x" * (MAX_BODY + 10)}),
+    "huge number": lambda b: _json(b)[:-1] + b', "n": 1' + b"0" * 400 + b"}",
+}
+
+PATH_MUTATIONS = ["99999999999999999999999", "-5", "0", "%00", "%ff%fe", "x" * 5000, "a%2Fb", "%20"]
+
+AUTH_MUTATIONS: dict[str, str | bytes] = {
+    "wrong key": "Bearer wrong",
+    "basic scheme": "Basic dXNlcjpwYXNz",
+    "no token": "Bearer",
+    "latin-1 bytes": "Bearer \u00e9\u00e9".encode("latin-1"),
+}
+
+
+def _url(route: Route, **params: str) -> str:
+    return route.path.format(**{**route.params, **params})
+
+
+def _auth(route: Route) -> dict[str, str]:
+    return {"authorization": f"Bearer {route.key}"} if route.key else {}
+
+
+def build_cases() -> list[Case]:
+    cases: list[Case] = []
+    json_headers = {"content-type": "application/json"}
+    for route in ROUTES:
+        rid = f"{route.method} {route.path}"
+        headers = {**_auth(route), **json_headers}
+        if route.body is not None:
+            for name, mutate in BODY_MUTATORS.items():
+                content = mutate(route.body)
+                if name == "form encoded":
+                    headers = {**headers, "content-type": "application/x-www-form-urlencoded"}
+                cases.append(Case(f"{rid}: {name}", route, _url(route), content, headers, True))
+                headers = {**_auth(route), **json_headers}
+            for key in route.required:
+                body = {k: v for k, v in route.body.items() if k != key}
+                cases.append(Case(f"{rid}: missing {key}", route, _url(route), _json(body), headers, True))
+            for key, values in route.fields.items():
+                for value in values:
+                    content = _json({**route.body, key: value}) if value != 1e400 else b""
+                    if value == 1e400:
+                        content = _json(route.body)[:-1] + f', "{key}": 1e400}}'.encode()
+                    cases.append(
+                        Case(f"{rid}: {key}={value!r:.30}", route, _url(route), content, headers, True)
+                    )
+        for name, param in [(n, p) for p in route.params for n in PATH_MUTATIONS]:
+            content = _json(route.body) if route.body is not None else None
+            cases.append(
+                Case(
+                    f"{rid}: {param}={name:.20}", route, _url(route, **{param: name}), content, headers, True
+                )
+            )
+        for param, values in route.query.items():
+            for value in values:
+                cases.append(
+                    Case(
+                        f"{rid}: ?{param}={value:.20}",
+                        route,
+                        f"{_url(route)}?{param}={value}",
+                        None,
+                        headers,
+                        True,
+                    )
+                )
+        if route.key is not None:
+            for name, value in AUTH_MUTATIONS.items():
+                content = _json(route.body) if route.body is not None else None
+                bad = {**json_headers, "authorization": value}
+                cases.append(Case(f"{rid}: auth {name}", route, _url(route), content, bad, True))
+            content = _json(route.body) if route.body is not None else None
+            cases.append(Case(f"{rid}: no auth", route, _url(route), content, json_headers, True))
+        if route.reads_only:
+            cases.append(
+                Case(f"{rid}: junk query", route, _url(route) + "?%ff=%00&limit", None, headers, False)
+            )
+    return cases
+
+
+CASES = build_cases()
+
+
+def _counts(url: str) -> dict[str, int]:
+    return {t: query(url, f"SELECT count(*) AS n FROM {t}")[0]["n"] for t in TABLES}
+
+
+def _raw_request(port: int, request: bytes) -> bytes:
+    """Bytes no HTTP client library will send (a bare LF inside a header value)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_the_table_covers_every_route_and_is_large() -> None:
+    assert len(CASES) >= 100
+    served = {(r.method, r.path) for r in ROUTES}
+    from gateway.app import build_services, create_app  # the app's own route list, so new routes get fuzzed
+    from gateway.settings import Settings
+
+    settings = Settings.load(engine="upstream", upstream_url="http://127.0.0.1:9/v1", scheduler=False)
+    app = create_app(build_services(settings))
+    for route in app.routes:
+        path = route.path.replace(":str}", "}").replace(":int}", "}")
+        for method in route.methods - {"OPTIONS", "HEAD"}:
+            assert (method, path) in served, f"{method} {path} is not fuzzed"
+
+
+def test_malformed_requests_get_openai_shaped_4xx_and_write_nothing(
+    make_gateway: Callable[..., GatewayServer], database_url: str
+) -> None:
+    gw = make_gateway(database_url, api_keys=[API_KEY], admin_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
+    before = _counts(database_url)
+    statuses: dict[str, int] = {}
+    failures: list[str] = []
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        for case in CASES:
+            response = client.request(
+                case.route.method, case.path, content=case.content, headers=case.headers
+            )
+            statuses[case.name] = response.status_code
+            if response.status_code >= 500:
+                failures.append(f"{case.name}: {response.status_code} {response.text[:200]}")
+                continue
+            if case.rejected and not 400 <= response.status_code < 500:
+                failures.append(f"{case.name}: expected a 4xx, got {response.status_code}")
+            if response.status_code >= 400:
+                try:
+                    validate("ErrorResponse", response.json())
+                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+                except Exception as exc:
+                    failures.append(
+                        f"{case.name}: error body not OpenAI-shaped: {response.text[:200]} ({exc})"
+                    )
+        raw = _raw_request(gw.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad: a\nb\r\n\r\n")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), raw
+    validate("ErrorResponse", json.loads(body))
+    gw.flush()
+    assert failures == [], "\n".join(failures)
+    assert _counts(database_url) == before
+    sent = len(statuses) + 1
+    assert sent >= 100
+    assert sum(1 for s in statuses.values() if 400 <= s < 500) >= 100
+    assert gw.services.sink.snapshot()["queued"] == 0
+
+
+def test_text_postgresql_cannot_store_is_a_400(
+    make_gateway: Callable[..., GatewayServer], postgres: Any
+) -> None:
+    """A NUL character is valid JSON, but PostgreSQL text cannot hold it: the request's fault, not a 500."""
+    url = postgres.create_database("fuzz_nul")
+    gw = make_gateway(url)
+    call = httpx.post(gw.url + "/v1/chat/completions", json={"model": "scripted-1", "messages": USER})
+    gw.flush()
+    before = _counts(url)
+    body = {"request_id": call.headers["x-request-id"], "value": 1.0, "comment": "nul\u0000"}
+    response = httpx.post(gw.url + "/v1/feedback", json=body)
+    assert response.status_code == 400, response.text
+    validate("ErrorResponse", response.json())
+    assert _counts(url) == before
