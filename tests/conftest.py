@@ -75,9 +75,8 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
             upstream_url=upstream.url,
             upstream_token_ids=True,
             port=0,
-            capture_flush_ms=5.0,
-            capture_retry_s=0.2,
-            **{"scheduler": False, **overrides},  # no background jobs unless a test asks for them
+            # No background jobs unless a test asks for them; quick capture unless it asks otherwise.
+            **{"scheduler": False, "capture_flush_ms": 5.0, "capture_retry_s": 0.2, **overrides},
         )
         server = GatewayServer(settings).start()
         started.append(server)

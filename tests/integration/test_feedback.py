@@ -178,6 +178,23 @@ def _early_feedback(gw: GatewayServer, database_url: str) -> None:
     assert episode(gw, "ep-early-1")["reward"] == 0.0
 
 
+def test_feedback_by_episode_right_after_early_feedback_by_call(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    # A webhook that fires right after the reply: its call is still queued, so the first item is pending.
+    gw = make_gateway(database_url, capture_flush_ms=3000.0, feedback_link_interval_s=600.0)
+    request_id, episode_id = chat(gw, "webhook fires at once")
+    early = feedback(gw, {"request_id": request_id, "value": 0.25})
+    assert early.status_code == 200 and early.json()["items"][0]["status"] == "pending"
+    gw.flush()
+    # Before the linker's next round: the episode is stored, the call's reward still pending.
+    by_episode = feedback(gw, {"episode_id": episode_id, "value": 0.75})
+    assert by_episode.status_code == 200, by_episode.text
+    assert by_episode.json()["items"][0]["status"] == "linked"
+    assert sorted(r["value"] for r in rewards(database_url)) == [0.25, 0.75]
+    assert sorted(r["value"] for r in episode(gw, episode_id)["rewards"]) == [0.25, 0.75]
+
+
 def test_unknown_target_after_grace_period(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url, feedback_grace_s=0.5, feedback_link_interval_s=0.1)
     first = feedback(gw, {"request_id": "ghost-1", "value": 1})
