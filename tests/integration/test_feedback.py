@@ -13,12 +13,13 @@ import httpx
 import pytest
 
 from gateway.settings import async_database_url
+from gateway.signing import sign
 from storage.database import Database
 from storage.policies import create_policy
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.support.gateway_server import GatewayServer
-from trainer.signing import sign
+from tests.support.postgres import PostgresServer
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -283,6 +284,76 @@ def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> Non
     )
     assert key_only.status_code == 401  # with a secret configured, the signature is required
     assert [r["value"] for r in rewards(database_url)] == [1.0, 0.0]
+
+
+def test_a_signed_request_is_applied_once_however_its_header_is_spelled(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-signed", "value": 1}).encode()
+    header = sign("s3cret", raw)
+    t, mac = header.removeprefix("t=").split(",v1=")
+
+    def post(signature: str) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": signature})
+
+    assert post(header).status_code == 200
+    for variant in (
+        header,
+        f"t={t}, v1={mac}",
+        f"v1={mac},t={t}",
+        f"t=0{t},v1={mac}",
+        f"t={t},v1={mac.upper()}",
+        f"{header},v1=00",
+        f"{header},x=1",
+    ):
+        response = post(variant)
+        assert response.status_code == 401, (variant, response.text)
+        assert response.json()["error"]["code"] == "replayed_signature", variant
+    assert post(f"t={t},t={t},v1={mac}").json()["error"]["code"] == "invalid_signature"
+    assert len(rewards(database_url)) == 1
+
+
+def test_replicas_share_the_replay_guard(make_gateway: MakeGateway, postgres: PostgresServer) -> None:
+    url = postgres.create_database("replay_replicas")
+    first = make_gateway(url, feedback_secret="s3cret")
+    second = make_gateway(url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-replicas", "value": 1}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    assert httpx.post(first.url + "/v1/feedback", content=raw, headers=header).status_code == 200
+    replayed = httpx.post(second.url + "/v1/feedback", content=raw, headers=header)
+    assert replayed.status_code == 401 and replayed.json()["error"]["code"] == "replayed_signature"
+    assert len(rewards(url)) == 1
+
+
+def test_a_refused_signed_request_may_be_sent_again(make_gateway: MakeGateway, database_url: str) -> None:
+    # A request whose effect did not commit (here a 400 for an unknown label, like a 503 in an outage)
+    # leaves no trace in the guard; once the policy knows the label, the same signed bytes are applied.
+    gw = make_gateway(database_url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-retry", "value": "great"}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    refused = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)
+    assert refused.status_code == 400, refused.text
+    add_policy(database_url, "scripted-1", {"rewards": {"feedback": {"labels": {"great": 1.0}}}})
+    chat(gw, "labelled", **{"x-episode-id": "ep-retry"})
+    gw.flush()
+    assert httpx.post(gw.url + "/v1/feedback", content=raw, headers=header).status_code == 200
+    assert [r["label"] for r in rewards(database_url)] == ["great"]
+
+
+def test_expired_signatures_are_forgotten(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(
+        database_url, feedback_secret="s3cret", feedback_tolerance_s=1.0, feedback_link_interval_s=0.1
+    )
+    raw = json.dumps({"episode_id": "ep-expiry", "value": 1}).encode()
+    response = httpx.post(
+        gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": sign("s3cret", raw)}
+    )
+    assert response.status_code == 200
+    deadline = time.monotonic() + 10
+    while query(database_url, "SELECT mac FROM signature_replays"):
+        assert time.monotonic() < deadline, "the expired signature was never deleted"
+        time.sleep(0.1)
 
 
 def test_api_key_applies_without_a_secret(make_gateway: MakeGateway, tmp_path: Any) -> None:
