@@ -108,11 +108,21 @@ def decode_items(raw_body: bytes) -> tuple[list[FeedbackItem], bool]:
         )
     batched = "items" in body
     try:
-        if batched:
-            return msgspec.convert(body, FeedbackBatch).items, True
-        return [msgspec.convert(body, FeedbackItem)], False
+        items = (
+            msgspec.convert(body, FeedbackBatch).items if batched else [msgspec.convert(body, FeedbackItem)]
+        )
     except msgspec.ValidationError as exc:
         raise InvalidRequest(str(exc), param=_param(str(exc), ""), code="invalid_value") from exc
+    for index, item in enumerate(items):
+        # Text columns cannot hold NUL on PostgreSQL: refused on both databases. `metadata` is JSON (lossless).
+        for name in ("name", "comment", "idempotency_key"):
+            value = getattr(item, name)
+            if value is not None and "\x00" in value:
+                param = f"items[{index}].{name}" if batched else name
+                raise InvalidRequest(
+                    f"{param} must not contain NUL characters", param=param, code="invalid_value"
+                )
+    return items, batched
 
 
 def to_number(value: bool | float | str, config: FeedbackConfig, param: str) -> tuple[float, str | None]:

@@ -246,6 +246,30 @@ def test_bad_values_are_rejected_and_write_nothing(
     assert feedback(gw, {"request_id": request_id, "value": 10}).status_code == 200  # the range is inclusive
 
 
+@pytest.mark.parametrize("field", ["name", "comment", "idempotency_key"])
+def test_nul_in_feedback_text_is_refused(make_gateway: MakeGateway, database_url: str, field: str) -> None:
+    gw = make_gateway(database_url)
+    response = feedback(gw, {"episode_id": "ep-nul", "value": 1, field: "a\u0000b"})
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (field, "invalid_value")
+    batch = feedback(
+        gw,
+        {
+            "items": [
+                {"episode_id": "ep-nul", "value": 1},
+                {"episode_id": "ep-nul", "value": 1, field: "\u0000"},
+            ]
+        },
+    )
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == f"items[1].{field}"
+    assert rewards(database_url) == []
+    kept = feedback(gw, {"episode_id": "ep-nul", "value": 1, "metadata": {"note": "a\u0000b"}})
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["items"][0]["status"] == "pending"
+    stored = rewards(database_url)[0]["metadata"]
+    assert (json.loads(stored) if isinstance(stored, str) else stored) == {"note": "a\u0000b"}
+
+
 def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url, feedback_secret="s3cret", api_keys=["client-key"])
     served = httpx.post(
