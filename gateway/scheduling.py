@@ -58,6 +58,8 @@ def runner_config(settings: Settings) -> RunnerConfig:
         engine_url=engine_url,
         sleep_engine=settings.engine_sleep_during_training,
         train_timeout_s=settings.train_timeout_s,
+        retention_calls_days=settings.retention_calls_days,
+        retention_cron=settings.retention_cron or None,
     )
 
 

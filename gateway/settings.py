@@ -194,6 +194,17 @@ class Settings(BaseSettings):
         description="OpenAI-compatible URL (ending in /v1) the evaluation gate samples candidate and active "
         "versions through. Default: this gateway's own (`http://127.0.0.1:<port>/v1`).",
     )
+    retention_calls_days: float = Field(
+        90.0,
+        ge=0,
+        description="Calls that no policy owns (traffic in front of an upstream model) older than this many "
+        "days are deleted with their episodes and rewards; 0 keeps them. A policy's calls follow its "
+        "`schedule.retention.calls_days`.",
+    )
+    retention_cron: str = Field(
+        "30 4 * * *",
+        description="When the scheduler deletes old calls that no policy owns (crontab, UTC); empty: never.",
+    )
     train_timeout_s: float = Field(
         21600.0, gt=0, description="A training child running longer than this is killed and its run failed."
     )
