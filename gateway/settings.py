@@ -84,7 +84,11 @@ class Settings(BaseSettings):
         "", description="Python of the environment vLLM is installed in. Default: the install's `.venv-vllm`."
     )
     vllm_port: int = Field(
-        8100, ge=1, le=65535, description="Loopback port of the vLLM server the gateway starts."
+        0,
+        ge=0,
+        le=65535,
+        description="Loopback port of the vLLM server the gateway starts; 0 picks a free one. A port another "
+        "process holds stops start-up with an error.",
     )
     vllm_max_model_len: int = Field(2048, ge=128, description="Context length vLLM allocates for.")
     vllm_max_loras: int = Field(4, ge=1, description="Adapters vLLM keeps in one batch at once.")
