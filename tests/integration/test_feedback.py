@@ -365,6 +365,28 @@ def test_a_refused_signed_request_may_be_sent_again(make_gateway: MakeGateway, d
     assert [r["label"] for r in rewards(database_url)] == ["great"]
 
 
+def test_a_signed_request_that_got_a_503_may_be_sent_again(
+    make_gateway: MakeGateway, postgres: PostgresServer
+) -> None:
+    url = postgres.create_database("replay_outage")
+    gw = make_gateway(url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-outage", "value": 1}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    postgres.stop()
+    try:
+        down = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header, timeout=30)
+        assert down.status_code == 503, down.text
+    finally:
+        postgres.start()
+        postgres.wait_ready()
+    deadline = time.monotonic() + 30
+    while (again := httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)).status_code == 503:
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.2)
+    assert again.status_code == 200, again.text
+    assert len(rewards(url)) == 1
+
+
 def test_expired_signatures_are_forgotten(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(
         database_url, feedback_secret="s3cret", feedback_tolerance_s=1.0, feedback_link_interval_s=0.1
