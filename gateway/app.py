@@ -65,7 +65,7 @@ def build_engine(settings: Settings) -> Engine:
 def build_vllm_engine(settings: Settings) -> Engine:
     """The vLLM engine: attached by URL, or a supervised server for the (pulled if embedded) base model."""
     from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
-    from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python
+    from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python, free_loopback_port
 
     served = served_model_name(settings.base_model)
     common = {
@@ -78,11 +78,12 @@ def build_vllm_engine(settings: Settings) -> Engine:
     if settings.vllm_url:
         return VLLMEngine(base_url=settings.vllm_url, launch=None, **common)  # type: ignore[arg-type]
     embedded = EMBEDDED_MODELS.get(settings.base_model)
+    port = settings.vllm_port or free_loopback_port()  # 0: a port no other gateway's vLLM holds
     launch = VLLMLaunch(
         python=find_vllm_python(settings.vllm_python),
         model=resolve_base_model(settings.base_model, settings.data_dir / "models"),
         served_name=served,
-        port=settings.vllm_port,
+        port=port,
         max_model_len=settings.vllm_max_model_len,
         max_loras=settings.vllm_max_loras,
         max_lora_rank=settings.vllm_max_lora_rank,
@@ -93,11 +94,18 @@ def build_vllm_engine(settings: Settings) -> Engine:
         extra_args=settings.vllm_extra_args.split(),
     )
     return VLLMEngine(
-        base_url=f"http://127.0.0.1:{settings.vllm_port}/v1",
+        base_url=f"http://127.0.0.1:{port}/v1",
         launch=launch,
         log_path=settings.data_dir / "logs" / "vllm.log",
         **common,  # type: ignore[arg-type]
     )
+
+
+def engine_url(engine: Engine) -> str | None:
+    """The /v1 URL of a vLLM engine (the port it really uses), for putting it to sleep during training."""
+    from gateway.engines.vllm import VLLMEngine
+
+    return engine.base_url if isinstance(engine, VLLMEngine) else None
 
 
 def build_services(settings: Settings, engine: Engine | None = None) -> Services:
@@ -135,7 +143,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         grace_s=settings.feedback_grace_s,
         link_interval_s=settings.feedback_link_interval_s,
     )
-    jobs = Jobs(settings, database, schedule=settings.scheduler)
+    jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
     return Services(settings, database, engine, router, sink, chat, feedback, jobs)
 
 

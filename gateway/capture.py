@@ -178,6 +178,11 @@ class CaptureSink:
             await self._replay()
         self.spool.close()
 
+    @property
+    def settling(self) -> bool:
+        """Something submitted is not yet in the database: queued, being written, or in the spool."""
+        return self._unsettled > 0 or self.spool.pending
+
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until everything submitted so far is in the database or the spool (tests, shutdown)."""
         deadline = time.monotonic() + timeout_s

@@ -138,6 +138,15 @@ class ChatService:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
         if request.tools and len({t.function.name for t in request.tools}) != len(request.tools):
             raise InvalidRequest("tool function names must be unique", param="tools")
+        # Stored in text columns, which on PostgreSQL cannot hold NUL; content and metadata are JSON (lossless).
+        for param, value in (
+            ("user", request.user),
+            ("metadata.group_key", (request.metadata or {}).get("group_key")),
+        ):
+            if value is not None and "\x00" in value:
+                raise InvalidRequest(
+                    f"{param} must not contain NUL characters", param=param, code="invalid_value"
+                )
 
     # ------------------------------------------------------------------ engine call
     def _engine_body(self, ctx: CallContext) -> dict[str, Any]:

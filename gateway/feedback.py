@@ -5,6 +5,12 @@ submitted to this gateway's capture queue is still accepted (it may be in flight
 spool) and stored as `pending`. A background task links pending feedback when its target is written; after
 `feedback_grace_s` without it, it is marked `orphaned`, and new feedback for that id is refused with 404.
 An orphan whose target appears later is still linked. Nothing accepted is ever dropped.
+
+Replays: with a webhook secret, a signed request is applied once. Its identity is the parsed signature (the
+timestamp and the MAC the gateway computes, see `gateway/signing.py`), recorded in the database in the same
+transaction as its rewards, so every replica refuses it afterwards and a request that was refused or failed
+(for example a 503 while the database is down) may be sent again as it was. Records older than the
+signature tolerance are deleted by the linker, since verification refuses such timestamps anyway.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -28,13 +33,14 @@ from gateway.auth import KeyRing
 from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
+from gateway.signing import Signature, SignatureError, verify
 from storage.database import Database
 from storage.episodes import call_target, episode_policy
 from storage.rewards import NewReward, RewardInfo, insert_rewards, link_pending, mark_orphans, oldest_unlinked
 from storage.rewards import rewards_by_key as stored_by_key
+from storage.signatures import forget_signatures, record_signature
 from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig
 from trainer.rewards import policy_reward_config, refresh_episode_rewards
-from trainer.signing import SignatureError, verify
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +108,21 @@ def decode_items(raw_body: bytes) -> tuple[list[FeedbackItem], bool]:
         )
     batched = "items" in body
     try:
-        if batched:
-            return msgspec.convert(body, FeedbackBatch).items, True
-        return [msgspec.convert(body, FeedbackItem)], False
+        items = (
+            msgspec.convert(body, FeedbackBatch).items if batched else [msgspec.convert(body, FeedbackItem)]
+        )
     except msgspec.ValidationError as exc:
         raise InvalidRequest(str(exc), param=_param(str(exc), ""), code="invalid_value") from exc
+    for index, item in enumerate(items):
+        # Text columns cannot hold NUL on PostgreSQL: refused on both databases. `metadata` is JSON (lossless).
+        for name in ("name", "comment", "idempotency_key"):
+            value = getattr(item, name)
+            if value is not None and "\x00" in value:
+                param = f"items[{index}].{name}" if batched else name
+                raise InvalidRequest(
+                    f"{param} must not contain NUL characters", param=param, code="invalid_value"
+                )
+    return items, batched
 
 
 def to_number(value: bool | float | str, config: FeedbackConfig, param: str) -> tuple[float, str | None]:
@@ -132,26 +148,6 @@ def to_number(value: bool | float | str, config: FeedbackConfig, param: str) -> 
     return number, None
 
 
-class ReplayGuard:
-    """Signatures seen within the replay window (per process): the same signed request is accepted once."""
-
-    def __init__(self, window_s: float, size: int = 100_000) -> None:
-        self.window_s = window_s
-        self.size = size
-        self._seen: OrderedDict[str, float] = OrderedDict()
-
-    def first_time(self, header: str) -> bool:
-        now = time.monotonic()
-        while self._seen and next(iter(self._seen.values())) < now - 2 * self.window_s:
-            self._seen.popitem(last=False)
-        if header in self._seen:
-            return False
-        self._seen[header] = now
-        if len(self._seen) > self.size:
-            self._seen.popitem(last=False)
-        return True
-
-
 class FeedbackService:
     def __init__(
         self,
@@ -171,31 +167,36 @@ class FeedbackService:
         self.tolerance_s = tolerance_s
         self.grace_s = grace_s
         self.link_interval_s = link_interval_s
-        self.replays = ReplayGuard(tolerance_s)
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ authentication
-    def authenticate(self, headers: Mapping[str, str], raw_body: bytes) -> None:
-        """A valid signature when a secret is configured; otherwise the normal API key."""
+    def authenticate(self, headers: Mapping[str, str], raw_body: bytes) -> Signature | None:
+        """A valid signature when a secret is configured (returned); otherwise the normal API key."""
         if not self.secret:
             if not self.api_keys.open and not self.api_keys.accepts(headers.get("authorization")):
                 raise AuthenticationError(
                     "Missing or invalid API key. Send `Authorization: Bearer <key>`.", code="invalid_api_key"
                 )
-            return
-        header = headers.get("x-kaizen-signature")
+            return None
         try:
-            verify(self.secret, header, raw_body, tolerance_s=self.tolerance_s)
+            return verify(
+                self.secret, headers.get("x-kaizen-signature"), raw_body, tolerance_s=self.tolerance_s
+            )
         except SignatureError as exc:
             raise AuthenticationError(str(exc), code="invalid_signature") from exc
-        if not self.replays.first_time(header or ""):
-            raise AuthenticationError("this signed request was already received", code="replayed_signature")
 
     # ------------------------------------------------------------------ submission
-    async def submit(self, raw_body: bytes) -> FeedbackResult:
+    async def submit(self, raw_body: bytes, signature: Signature | None = None) -> FeedbackResult:
+        """Store the body's items; a signed request's signature is recorded in the same transaction."""
         items, batched = decode_items(raw_body)
         try:
             async with self.database.session() as session:
+                if signature is not None and not await record_signature(
+                    session, signature.mac, signature.timestamp
+                ):
+                    raise AuthenticationError(
+                        "this signed request was already received", code="replayed_signature"
+                    )
                 result = await self._store(session, items, batched)
                 await session.commit()
                 return result
@@ -316,6 +317,7 @@ class FeedbackService:
             episodes = await link_pending(session)
             await refresh_episode_rewards(session, episodes)
             orphaned = await mark_orphans(session, datetime.now(UTC) - timedelta(seconds=self.grace_s))
+            await forget_signatures(session, int(time.time() - self.tolerance_s) - 1)
             await session.commit()
         if orphaned:
             log.warning(

@@ -43,10 +43,14 @@ def gate_url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}/v1"
 
 
-def runner_config(settings: Settings) -> RunnerConfig:
-    engine_url = None
-    if settings.engine == "vllm":
-        engine_url = settings.vllm_url or f"http://127.0.0.1:{settings.vllm_port}/v1"
+def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerConfig:
+    """`engine_url`: the /v1 URL of this process's vLLM engine. A separate worker has no engine: it uses
+    `vllm_url`, or the configured `vllm_port` (with port 0 it cannot know the gateway's pick)."""
+    if engine_url is None and settings.engine == "vllm":
+        if settings.vllm_url:
+            engine_url = settings.vllm_url
+        elif settings.vllm_port:
+            engine_url = f"http://127.0.0.1:{settings.vllm_port}/v1"
     return RunnerConfig(
         data_dir=settings.data_dir,
         judge=judge_settings(settings),
@@ -58,14 +62,18 @@ def runner_config(settings: Settings) -> RunnerConfig:
         engine_url=engine_url,
         sleep_engine=settings.engine_sleep_during_training,
         train_timeout_s=settings.train_timeout_s,
+        retention_calls_days=settings.retention_calls_days,
+        retention_cron=settings.retention_cron or None,
     )
 
 
 class Jobs:
     """The runner (always: the admin API triggers runs) and, when enabled, the schedules."""
 
-    def __init__(self, settings: Settings, database: Database, *, schedule: bool) -> None:
-        self.runner = JobRunner(database, runner_config(settings))
+    def __init__(
+        self, settings: Settings, database: Database, *, schedule: bool, engine_url: str | None = None
+    ) -> None:
+        self.runner = JobRunner(database, runner_config(settings, engine_url))
         self.scheduler = (
             PolicyScheduler(database, self.runner, settings.scheduler_refresh_s) if schedule else None
         )

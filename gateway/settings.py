@@ -84,7 +84,11 @@ class Settings(BaseSettings):
         "", description="Python of the environment vLLM is installed in. Default: the install's `.venv-vllm`."
     )
     vllm_port: int = Field(
-        8100, ge=1, le=65535, description="Loopback port of the vLLM server the gateway starts."
+        0,
+        ge=0,
+        le=65535,
+        description="Loopback port of the vLLM server the gateway starts; 0 picks a free one. A port another "
+        "process holds stops start-up with an error.",
     )
     vllm_max_model_len: int = Field(2048, ge=128, description="Context length vLLM allocates for.")
     vllm_max_loras: int = Field(4, ge=1, description="Adapters vLLM keeps in one batch at once.")
@@ -193,6 +197,17 @@ class Settings(BaseSettings):
         "",
         description="OpenAI-compatible URL (ending in /v1) the evaluation gate samples candidate and active "
         "versions through. Default: this gateway's own (`http://127.0.0.1:<port>/v1`).",
+    )
+    retention_calls_days: float = Field(
+        90.0,
+        ge=0,
+        description="Calls that no policy owns (traffic in front of an upstream model) older than this many "
+        "days are deleted with their episodes and rewards; 0 keeps them. A policy's calls follow its "
+        "`schedule.retention.calls_days`.",
+    )
+    retention_cron: str = Field(
+        "30 4 * * *",
+        description="When the scheduler deletes old calls that no policy owns (crontab, UTC); empty: never.",
     )
     train_timeout_s: float = Field(
         21600.0, gt=0, description="A training child running longer than this is killed and its run failed."

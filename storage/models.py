@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -190,3 +191,13 @@ class JobLock(Base):
     job: Mapped[str] = mapped_column(String(32))
     acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SignatureReplay(Base):
+    """A signed feedback request whose effect committed, kept for the replay window so that no replica
+    accepts it again. Written in the same transaction as the request's rewards."""
+
+    __tablename__ = "signature_replays"
+
+    mac: Mapped[str] = mapped_column(String(64), primary_key=True)  # HMAC of "<t>.<body>", lower-case hex
+    timestamp: Mapped[int] = mapped_column(BigInteger, index=True)  # the signature's unix seconds

@@ -1,5 +1,10 @@
 """Retention: prune captured calls older than a cut-off and adapter versions nobody can be served any more.
 
+Calls are pruned by age whether or not a policy row owns their model: a policy's calls follow the policy's
+`schedule.retention.calls_days`, every other call (traffic in front of an upstream model, or of a policy since
+deleted) follows the process-wide `retention_calls_days`. On SQLite the deleted text would stay in the WAL
+file until a checkpoint, so `checkpoint_wal` truncates it after the deletes commit.
+
 A version is kept when it is active, pinned, among the newest `keep` versions, or the one a rollback would
 re-activate; everything else of the policy is deleted (rows here; the caller removes the directories).
 """
@@ -9,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import delete, exists, select
+from sqlalchemy import ColumnElement, delete, exists, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
 
-from storage.models import Adapter, Call, Episode, Reward, StitchKey
+from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey
 from storage.policies import AdapterInfo, list_adapters
 
 _CHUNK = 500
@@ -22,13 +28,25 @@ def _chunks(ids: Sequence[str]) -> list[Sequence[str]]:
     return [ids[i : i + _CHUNK] for i in range(0, len(ids), _CHUNK)]
 
 
-async def prune_calls(session: AsyncSession, policy: str, before: datetime) -> tuple[int, int]:
-    """Delete the policy's calls created before `before`, then its episodes left without calls.
+def _owned_by(column: InstrumentedAttribute[str | None], policy: str | None) -> ColumnElement[bool]:
+    """The rows of `policy`, or (None) those no policy row owns."""
+    if policy is not None:
+        return column == policy
+    return or_(column.is_(None), ~exists().where(Policy.name == column))
+
+
+async def prune_calls(session: AsyncSession, policy: str | None, before: datetime) -> tuple[int, int]:
+    """Delete the policy's calls created before `before` (None: the calls no policy row owns), then the
+    episodes left without calls.
 
     Rewards of what is deleted go with it. Returns (calls, episodes) deleted; the caller commits.
     """
     call_ids = list(
-        (await session.scalars(select(Call.id).where(Call.policy == policy, Call.created_at < before))).all()
+        (
+            await session.scalars(
+                select(Call.id).where(_owned_by(Call.policy, policy), Call.created_at < before)
+            )
+        ).all()
     )
     for chunk in _chunks(call_ids):
         await session.execute(delete(Reward).where(Reward.call_id.in_(chunk)))
@@ -37,7 +55,7 @@ async def prune_calls(session: AsyncSession, policy: str, before: datetime) -> t
         (
             await session.scalars(
                 select(Episode.id).where(
-                    Episode.policy == policy,
+                    _owned_by(Episode.policy, policy),
                     Episode.created_at < before,
                     ~exists().where(Call.episode_id == Episode.id),
                 )
@@ -49,6 +67,12 @@ async def prune_calls(session: AsyncSession, policy: str, before: datetime) -> t
         await session.execute(delete(StitchKey).where(StitchKey.episode_id.in_(chunk)))
         await session.execute(delete(Episode).where(Episode.id.in_(chunk)))
     return len(call_ids), len(episode_ids)
+
+
+async def checkpoint_wal(session: AsyncSession) -> None:
+    """On SQLite, copy the WAL into the database file and truncate it, so deleted text leaves the WAL."""
+    if session.get_bind().dialect.name == "sqlite":
+        await session.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
 
 
 def versions_to_keep(adapters: Sequence[AdapterInfo], active: int | None, keep: int) -> set[int]:

@@ -133,9 +133,9 @@ async def rewards_for_episodes(
     )
     episode_of_call: dict[str, str] = {}
     if any(r.episode_id is None for r in rows):
-        episode_of_call = dict(
-            (await session.execute(select(Call.id, Call.episode_id).where(Call.episode_id.in_(ids)))).tuples()
-        )
+        # A pending reward names only its call; iterate the rows (a `Result` is not a mapping for dict()).
+        pairs = await session.execute(select(Call.id, Call.episode_id).where(Call.episode_id.in_(ids)))
+        episode_of_call = {call_id: episode_id for call_id, episode_id in pairs}
     result: dict[str, list[RewardInfo]] = {episode_id: [] for episode_id in ids}
     for row in rows:
         episode_id = row.episode_id or episode_of_call.get(row.call_id or "")

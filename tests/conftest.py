@@ -74,10 +74,15 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
             engine="upstream",
             upstream_token_ids=True,
             port=0,
-            capture_flush_ms=5.0,
-            capture_retry_s=0.2,
-            # No background jobs unless a test asks for them; a test may point at its own upstream.
-            **{"scheduler": False, "upstream_url": upstream.url, **overrides},
+            # No background jobs unless a test asks for them; quick capture unless it asks otherwise; a test may
+            # point at its own upstream.
+            **{
+                "scheduler": False,
+                "capture_flush_ms": 5.0,
+                "capture_retry_s": 0.2,
+                "upstream_url": upstream.url,
+                **overrides,
+            },
         )
         server = GatewayServer(settings).start()
         started.append(server)

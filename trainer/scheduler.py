@@ -42,7 +42,7 @@ from storage.jobs import (
 )
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
-from storage.retention import prune_adapters, prune_calls
+from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import last_data_cutoff
 from trainer.gate import EngineSampler, GateResult, evaluate
 from trainer.judge_job import judge_policy
@@ -79,6 +79,9 @@ class RunnerConfig:
     sleep_engine: bool = False
     train_timeout_s: float = 6 * 3600.0
     lock_ttl_s: float = 60.0
+    #: Age after which calls no policy row owns are deleted (0: kept), and when that runs (None: never).
+    retention_calls_days: float = 90.0
+    retention_cron: str | None = "30 4 * * *"
 
 
 def _now() -> datetime:
@@ -195,6 +198,8 @@ class JobRunner:
                     calls, episodes = await prune_calls(session, policy.name, cutoff)
                 pruned = await prune_adapters(session, policy.id, active, config.keep_versions)
                 await session.commit()
+            async with self.database.session() as session:
+                await checkpoint_wal(session)
             await asyncio.to_thread(_remove_dirs, self.config.data_dir / "adapters", [a.path for a in pruned])
         except Exception as exc:
             logger.exception("retention job of %s failed", policy.name)
@@ -204,6 +209,29 @@ class JobRunner:
         logger.info("retention of %s: %s", policy.name, metrics)
         await self._finish(run_id, "succeeded", metrics=metrics)
         return run_id
+
+    async def prune_unowned_calls(self) -> tuple[int, int]:
+        """Delete calls no policy row owns (upstream traffic) older than `retention_calls_days`.
+
+        Returns (calls, episodes) deleted. Idempotent, so replicas running it at once do no harm.
+        """
+        if self.config.retention_calls_days <= 0:
+            return 0, 0
+        cutoff = _now() - timedelta(days=self.config.retention_calls_days)
+        async with self.database.session() as session:
+            calls, episodes = await prune_calls(session, None, cutoff)
+            await session.commit()
+        async with self.database.session() as session:
+            await checkpoint_wal(session)
+        logger.info("retention of calls no policy owns: %d calls, %d episodes deleted", calls, episodes)
+        return calls, episodes
+
+    async def scheduled_prune(self) -> None:
+        """`prune_unowned_calls` on its cron: a failure is logged, the next run retries."""
+        try:
+            await self.prune_unowned_calls()
+        except Exception:
+            logger.exception("retention of calls no policy owns failed")
 
     # ------------------------------------------------------------------ training
     async def _train(
@@ -429,6 +457,12 @@ class PolicyScheduler:
         self._scheduler.add_job(
             self.sync, "interval", seconds=self.refresh_s, id="kaizen:sync", next_run_time=_now()
         )
+        if self.runner.config.retention_cron:
+            self._scheduler.add_job(
+                self.runner.scheduled_prune,
+                parse_cron(self.runner.config.retention_cron),
+                id="kaizen:retention",
+            )
         logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
 
     async def stop(self) -> None:
@@ -441,7 +475,11 @@ class PolicyScheduler:
         """(job id, next run time) of every policy job, for inspection."""
         if self._scheduler is None:
             return []
-        return [(job.id, job.next_run_time) for job in self._scheduler.get_jobs() if job.id != "kaizen:sync"]
+        return [
+            (job.id, job.next_run_time)
+            for job in self._scheduler.get_jobs()
+            if not job.id.startswith("kaizen:")
+        ]
 
     async def sync(self) -> None:
         """Bring the jobs in line with every policy's schedule (added, changed, paused, removed)."""

@@ -4,11 +4,19 @@ A policy names its scorer; the first one configured wins: a reward function (`mo
 the trajectory dict, returning a number or `{"score": x, "explanation": "..."}`), a scoring webhook (Kaizen
 POSTs `{"trajectory": {...}}` signed like feedback webhooks and reads back the same shape), or RULER.
 Every scorer answers for a whole group and never raises for a scoring failure: the outcome carries the error.
+
+The scoring webhook is the user's service, not the gateway: Kaizen asks it for a score and writes the answer
+through `storage` itself, so nothing here posts rewards back over HTTP. Its requests carry the feedback
+webhook's signature format (`X-Kaizen-Signature: t=<unix s>,v1=<hex HMAC-SHA256 of "<t>.<body>">`) so that a
+user verifies both with one routine. Verifying signatures is the gateway's job (`gateway/signing.py`); the
+trainer must not import the gateway, so `webhook_signature` below is the few lines the trainer needs to sign.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import importlib
 import inspect
 import math
@@ -23,7 +31,15 @@ import msgspec
 from storage.episodes import Trajectory
 from trainer.policy_config import RewardConfig
 from trainer.ruler import Complete, JudgeSettings, judge_group, litellm_complete
-from trainer.signing import HEADER, sign
+
+SIGNATURE_HEADER = "X-Kaizen-Signature"
+
+
+def webhook_signature(secret: str, body: bytes) -> str:
+    """The signature header value of an outgoing scoring request, signed now."""
+    timestamp = str(int(time.time()))
+    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={mac}"
 
 
 @dataclass(frozen=True)
@@ -170,7 +186,9 @@ class Scorer:
                 await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             headers = {"content-type": "application/json"}
             if self.webhook_secret:
-                headers[HEADER] = sign(self.webhook_secret, body)  # re-signed: the timestamp stays fresh
+                headers[SIGNATURE_HEADER] = webhook_signature(
+                    self.webhook_secret, body
+                )  # re-signed: the timestamp stays fresh
             try:
                 response = await client.post(url, content=body, headers=headers)
                 if response.status_code < 500:

@@ -83,7 +83,9 @@ class EpisodesController(Controller):
         if trajectory is not None:
             rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
             return _out(trajectory, rewards)
-        if sink.recent.episode(episode_id)[0]:
+        # Known to this process and not yet written; once everything is written, a missing episode was
+        # deleted (retention) and is simply not found.
+        if sink.recent.episode(episode_id)[0] and sink.settling:
             raise EpisodeNotWritten(
                 f"episode {episode_id!r} is still in the capture queue; retry shortly",
                 code="episode_not_written",

@@ -14,7 +14,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from gateway.demo.task import Question, reward
-from trainer.signing import HEADER, sign
+from gateway.signing import HEADER, sign
 
 logger = logging.getLogger(__name__)
 

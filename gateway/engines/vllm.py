@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,27 @@ def find_vllm_python(configured: str) -> str:
     if bundled.exists():
         return str(bundled)
     return sys.executable
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice), for a server we start."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_free_port(port: int) -> None:
+    """Raise when another process holds `port` on 127.0.0.1: a server answering there is not ours, and
+    supervising it would restart and reload adapters in a loop."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot start vLLM on port {port}: another process is using it ({exc.strerror}). "
+                "Set KAIZEN_VLLM_PORT to a free port, or to 0 to let Kaizen pick one, or set KAIZEN_VLLM_URL "
+                "to attach to a vLLM server that is already running."
+            ) from exc
 
 
 @dataclass
@@ -128,6 +150,7 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self.launch is not None:
+            require_free_port(self.launch.port)
             await self._spawn()
         await self._wait_healthy()
         self._ready.set()

@@ -271,3 +271,40 @@ def test_api_keys(make_gateway: MakeGateway, keys: list[str], tmp_path: object) 
     ok = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer k2"})
     assert ok.status_code == 200
     assert httpx.get(gw.url + "/healthz").status_code == 200  # probes stay open
+
+
+def test_nul_characters_in_content_are_captured_losslessly(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url)
+    text = "before\u0000after"
+    reply = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": text}], metadata={"topic": "a\u0000b"}
+    )
+    assert reply.status_code == 200
+    rows = calls(gw, database_url)
+    assert [row["id"] for row in rows] == [reply.headers["x-request-id"]]
+    assert rows[0]["request"]["messages"][0]["content"] == text  # type: ignore[index]
+    episode = httpx.get(f"{gw.url}/v1/episodes/{reply.headers['x-episode-id']}").json()
+    assert episode["messages"][0]["content"] == text
+    assert episode["metadata"]["topic"] == "a\u0000b"
+
+
+@pytest.mark.parametrize("param", ["metadata.group_key", "metadata.episode_id", "user"])
+def test_nul_in_an_identifier_is_refused_before_serving(
+    make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream, param: str
+) -> None:
+    gw = make_gateway(database_url)
+    served = len(upstream.requests)
+    field = param.removeprefix("metadata.")
+    extra: dict[str, object] = {"user": "u\u0000"} if param == "user" else {"metadata": {field: "g\u0000k"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(gw).chat.completions.create(
+            model="scripted-1",
+            messages=[{"role": "user", "content": "hi"}],
+            **extra,  # type: ignore[arg-type]
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+    assert len(upstream.requests) == served
+    assert calls(gw, database_url) == []

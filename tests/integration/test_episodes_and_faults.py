@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+from sqlalchemy import update
 
+from gateway.settings import async_database_url
+from storage.database import Database
+from storage.models import Call, Episode
 from tests.conftest import query
 from tests.integration.test_chat_capture import calls, client
 from tests.support.gateway_server import GatewayServer
 from tests.support.postgres import PostgresServer
+from trainer.ruler import JudgeSettings
+from trainer.scheduler import JobRunner, RunnerConfig
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -143,3 +152,45 @@ def test_database_outage_loses_nothing(make_gateway: MakeGateway, postgres: Post
     rows = query(url, "SELECT id FROM calls")
     assert len(rows) == 26
     assert {r["id"] for r in rows} >= set(ids)
+
+
+def test_retention_prunes_calls_no_policy_owns(
+    make_gateway: MakeGateway, database_url: str, tmp_path: Path
+) -> None:
+    gw = make_gateway(database_url)
+    old_episode, old_call = converse(gw, [{"role": "user", "content": "confidential old text"}])
+    new_episode, new_call = converse(gw, [{"role": "user", "content": "recent text"}])
+    gw.flush()
+    assert len(calls(gw, database_url)) == 2
+    assert query(database_url, "SELECT name FROM policies") == []  # an upstream model: no policy row
+    config = RunnerConfig(
+        data_dir=tmp_path,
+        judge=JudgeSettings(model=""),
+        train_command=[],
+        child_env={},
+        gate_url="http://127.0.0.1:9/v1",
+        retention_calls_days=30,
+    )
+
+    async def prune() -> tuple[int, int]:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                old = datetime.now(UTC) - timedelta(days=40)
+                await session.execute(update(Call).where(Call.id == old_call).values(created_at=old))
+                await session.execute(update(Episode).where(Episode.id == old_episode).values(created_at=old))
+                await session.commit()
+            return await JobRunner(database, config).prune_unowned_calls()
+        finally:
+            await database.dispose()
+
+    assert asyncio.run(prune()) == (1, 1)
+    assert [row["id"] for row in calls(gw, database_url)] == [new_call]
+    gone = httpx.get(f"{gw.url}/v1/episodes/{old_episode}")  # deleted, not "still in the capture queue"
+    assert gone.status_code == 404, gone.text
+    assert gone.json()["error"]["code"] == "episode_not_found"
+    assert set(gone.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{gw.url}/v1/episodes/{new_episode}").status_code == 200
+    if database_url.startswith("sqlite"):
+        wal = Path(database_url.removeprefix("sqlite:///") + "-wal")
+        assert b"confidential old text" not in (wal.read_bytes() if wal.exists() else b"")

@@ -13,13 +13,14 @@ import httpx
 import pytest
 
 from gateway.settings import async_database_url
+from gateway.signing import sign
 from storage.database import Database
 from storage.policies import create_policy
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
-from trainer.signing import sign
+from tests.support.postgres import PostgresServer
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -179,6 +180,23 @@ def _early_feedback(gw: GatewayServer, database_url: str) -> None:
     assert episode(gw, "ep-early-1")["reward"] == 0.0
 
 
+def test_feedback_by_episode_right_after_early_feedback_by_call(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    # A webhook that fires right after the reply: its call is still queued, so the first item is pending.
+    gw = make_gateway(database_url, capture_flush_ms=3000.0, feedback_link_interval_s=600.0)
+    request_id, episode_id = chat(gw, "webhook fires at once")
+    early = feedback(gw, {"request_id": request_id, "value": 0.25})
+    assert early.status_code == 200 and early.json()["items"][0]["status"] == "pending"
+    gw.flush()
+    # Before the linker's next round: the episode is stored, the call's reward still pending.
+    by_episode = feedback(gw, {"episode_id": episode_id, "value": 0.75})
+    assert by_episode.status_code == 200, by_episode.text
+    assert by_episode.json()["items"][0]["status"] == "linked"
+    assert sorted(r["value"] for r in rewards(database_url)) == [0.25, 0.75]
+    assert sorted(r["value"] for r in episode(gw, episode_id)["rewards"]) == [0.25, 0.75]
+
+
 def test_unknown_target_after_grace_period(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url, feedback_grace_s=0.5, feedback_link_interval_s=0.1)
     first = feedback(gw, {"request_id": "ghost-1", "value": 1})
@@ -230,6 +248,30 @@ def test_bad_values_are_rejected_and_write_nothing(
     assert feedback(gw, {"request_id": request_id, "value": 10}).status_code == 200  # the range is inclusive
 
 
+@pytest.mark.parametrize("field", ["name", "comment", "idempotency_key"])
+def test_nul_in_feedback_text_is_refused(make_gateway: MakeGateway, database_url: str, field: str) -> None:
+    gw = make_gateway(database_url)
+    response = feedback(gw, {"episode_id": "ep-nul", "value": 1, field: "a\u0000b"})
+    assert response.status_code == 400, response.text
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (field, "invalid_value")
+    batch = feedback(
+        gw,
+        {
+            "items": [
+                {"episode_id": "ep-nul", "value": 1},
+                {"episode_id": "ep-nul", "value": 1, field: "\u0000"},
+            ]
+        },
+    )
+    assert batch.status_code == 400 and batch.json()["error"]["param"] == f"items[1].{field}"
+    assert rewards(database_url) == []
+    kept = feedback(gw, {"episode_id": "ep-nul", "value": 1, "metadata": {"note": "a\u0000b"}})
+    assert kept.status_code == 200, kept.text
+    assert kept.json()["items"][0]["status"] == "pending"
+    stored = rewards(database_url)[0]["metadata"]
+    assert (json.loads(stored) if isinstance(stored, str) else stored) == {"note": "a\u0000b"}
+
+
 def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url, feedback_secret="s3cret", api_keys=["client-key"])
     served = httpx.post(
@@ -268,6 +310,98 @@ def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> Non
     )
     assert key_only.status_code == 401  # with a secret configured, the signature is required
     assert [r["value"] for r in rewards(database_url)] == [1.0, 0.0]
+
+
+def test_a_signed_request_is_applied_once_however_its_header_is_spelled(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-signed", "value": 1}).encode()
+    header = sign("s3cret", raw)
+    t, mac = header.removeprefix("t=").split(",v1=")
+
+    def post(signature: str) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": signature})
+
+    assert post(header).status_code == 200
+    for variant in (
+        header,
+        f"t={t}, v1={mac}",
+        f"v1={mac},t={t}",
+        f"t=0{t},v1={mac}",
+        f"t={t},v1={mac.upper()}",
+        f"{header},v1=00",
+        f"{header},x=1",
+    ):
+        response = post(variant)
+        assert response.status_code == 401, (variant, response.text)
+        assert response.json()["error"]["code"] == "replayed_signature", variant
+    assert post(f"t={t},t={t},v1={mac}").json()["error"]["code"] == "invalid_signature"
+    assert len(rewards(database_url)) == 1
+
+
+def test_replicas_share_the_replay_guard(make_gateway: MakeGateway, postgres: PostgresServer) -> None:
+    url = postgres.create_database("replay_replicas")
+    first = make_gateway(url, feedback_secret="s3cret")
+    second = make_gateway(url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-replicas", "value": 1}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    assert httpx.post(first.url + "/v1/feedback", content=raw, headers=header).status_code == 200
+    replayed = httpx.post(second.url + "/v1/feedback", content=raw, headers=header)
+    assert replayed.status_code == 401 and replayed.json()["error"]["code"] == "replayed_signature"
+    assert len(rewards(url)) == 1
+
+
+def test_a_refused_signed_request_may_be_sent_again(make_gateway: MakeGateway, database_url: str) -> None:
+    # A request whose effect did not commit (here a 400 for an unknown label, like a 503 in an outage)
+    # leaves no trace in the guard; once the policy knows the label, the same signed bytes are applied.
+    gw = make_gateway(database_url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-retry", "value": "great"}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    refused = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)
+    assert refused.status_code == 400, refused.text
+    add_policy(database_url, "scripted-1", {"rewards": {"feedback": {"labels": {"great": 1.0}}}})
+    chat(gw, "labelled", **{"x-episode-id": "ep-retry"})
+    gw.flush()
+    assert httpx.post(gw.url + "/v1/feedback", content=raw, headers=header).status_code == 200
+    assert [r["label"] for r in rewards(database_url)] == ["great"]
+
+
+def test_a_signed_request_that_got_a_503_may_be_sent_again(
+    make_gateway: MakeGateway, postgres: PostgresServer
+) -> None:
+    url = postgres.create_database("replay_outage")
+    gw = make_gateway(url, feedback_secret="s3cret")
+    raw = json.dumps({"episode_id": "ep-outage", "value": 1}).encode()
+    header = {"x-kaizen-signature": sign("s3cret", raw)}
+    postgres.stop()
+    try:
+        down = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header, timeout=30)
+        assert down.status_code == 503, down.text
+    finally:
+        postgres.start()
+        postgres.wait_ready()
+    deadline = time.monotonic() + 30
+    while (again := httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)).status_code == 503:
+        assert time.monotonic() < deadline, again.text
+        time.sleep(0.2)
+    assert again.status_code == 200, again.text
+    assert len(rewards(url)) == 1
+
+
+def test_expired_signatures_are_forgotten(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(
+        database_url, feedback_secret="s3cret", feedback_tolerance_s=1.0, feedback_link_interval_s=0.1
+    )
+    raw = json.dumps({"episode_id": "ep-expiry", "value": 1}).encode()
+    response = httpx.post(
+        gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": sign("s3cret", raw)}
+    )
+    assert response.status_code == 200
+    deadline = time.monotonic() + 10
+    while query(database_url, "SELECT mac FROM signature_replays"):
+        assert time.monotonic() < deadline, "the expired signature was never deleted"
+        time.sleep(0.1)
 
 
 def test_api_key_applies_without_a_secret(make_gateway: MakeGateway, tmp_path: Any) -> None:

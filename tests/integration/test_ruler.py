@@ -12,12 +12,12 @@ import httpx
 import pytest
 
 from gateway.cli import main
+from gateway.signing import verify
 from tests.conftest import query
 from tests.integration.test_feedback import add_policy, episode
 from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_judge import ScriptedJudge
 from trainer.ruler import JudgeSettings, MalformedJudgement, build_prompt, judge_group, parse_scores
-from trainer.signing import verify
 
 MakeGateway = Callable[..., GatewayServer]
 

@@ -11,10 +11,11 @@ import pytest
 from gateway.errors import InvalidRequest
 from gateway.feedback import to_number
 from gateway.judge_command import parse_since
+from gateway.signing import Signature, SignatureError, sign, verify
 from storage.rewards import RewardInfo
 from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig, RewardRule, load_policy_config
 from trainer.rewards import derive_reward
-from trainer.signing import SignatureError, sign, verify
+from trainer.scoring import webhook_signature
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -98,14 +99,28 @@ def test_signatures() -> None:
     header = sign("secret", body, timestamp=1_700_000_000)
     expected = hmac.new(b"secret", b"1700000000." + body, hashlib.sha256).hexdigest()
     assert header == f"t=1700000000,v1={expected}"
-    assert verify("secret", header, body, tolerance_s=300, now=1_700_000_100) == 1_700_000_000
-    # Several v1 values (secret rotation): any one matching is enough.
-    assert verify(
-        "secret", f"t=1700000000,v1={'0' * 64},v1={expected}", body, tolerance_s=300, now=1_700_000_000
+    assert verify("secret", header, body, tolerance_s=300, now=1_700_000_100) == Signature(
+        1_700_000_000, expected
     )
+    # However the header is spelled, the identity is the parsed timestamp and the MAC the receiver computes.
+    for variant in (
+        f"t=1700000000, v1={expected}",
+        f"v1={expected},t=1700000000",
+        f"t=01700000000,v1={expected}",
+        f"t=1700000000,v1={expected.upper()}",
+        f"{header},v1=00",
+        f"{header},x=1",
+    ):
+        assert verify("secret", variant, body, tolerance_s=300, now=1_700_000_000) == Signature(
+            1_700_000_000, expected
+        )
+    # The trainer signs its scoring webhooks in the same format (verify raises if it did not).
+    verify("secret", webhook_signature("secret", body), body, tolerance_s=5)
     for bad, now, message in [
         (None, 1_700_000_000, "missing"),
         ("v1=abc", 1_700_000_000, "malformed"),
+        (f"t=1700000000,v1={'z' * 64}", 1_700_000_000, "malformed"),
+        (f"t=1700000000,t=1700000000,v1={expected}", 1_700_000_000, "malformed"),
         (header, 1_700_000_301, "replay window"),
         (header, 1_699_999_699, "replay window"),
         (sign("other", body, timestamp=1_700_000_000), 1_700_000_000, "does not match"),
