@@ -290,22 +290,27 @@ def test_sigterm_with_calls_in_flight_stores_every_answered_call(
 
 
 def test_repeated_client_request_id_stores_both_calls(gateway: GatewayProcess, database_url: str) -> None:
-    async def scenario() -> list[dict[str, Any]]:
+    """A client reusing its own `x-request-id` (a retry, or a bug) makes two calls: both are stored, each under
+    its own server id, with the client's id kept beside it."""
+
+    async def scenario() -> tuple[list[str], list[dict[str, Any]]]:
         await start(gateway)
         client = sdk(gateway)
         headers = {"x-request-id": "client-retry-7"}
-        await one_call(client, "first use of the id", stream=False, headers=headers)
-        await one_call(client, "second use of the id", stream=True, headers=headers)
+        ids = [
+            await one_call(client, "first use of the id", stream=False, headers=headers),
+            await one_call(client, "second use of the id", stream=True, headers=headers),
+        ]
 
         async def both_stored() -> bool:
             return len(await stored_calls(database_url)) >= 2
 
         await poll(both_stored, REPLAY_TIMEOUT_S)
-        return await stored_calls(database_url)
+        return ids, await stored_calls(database_url)
 
-    rows = asyncio.run(scenario())
-    assert sorted(row["text"] for row in rows) == ["first use of the id", "second use of the id"]
+    ids, rows = asyncio.run(scenario())
+    rows.sort(key=lambda row: str(row["text"]))
+    assert [row["text"] for row in rows] == ["first use of the id", "second use of the id"]
+    assert [row["id"] for row in rows] == ids and len(set(ids)) == 2
     assert all(row["status"] == "ok" for row in rows)
-    assert len({row["id"] for row in rows}) == 2
-    if "client_request_id" in rows[0]:
-        assert [row["client_request_id"] for row in rows] == ["client-retry-7"] * 2
+    assert [row["client_request_id"] for row in rows] == ["client-retry-7"] * 2
