@@ -151,13 +151,17 @@ class ChatService:
             body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
         return body
 
-    async def complete(self, ctx: CallContext) -> bytes:
-        """Non-streamed call: the encoded conformant response."""
+    async def _acquire(self, ctx: CallContext) -> None:
+        """Take a slot on the call's route; a refusal (e.g. overload) is the call's recorded outcome."""
         try:
             await self.router.acquire(ctx.route)
         except APIError as exc:
             self._record(ctx, None, status="error", error=exc, ttft=None)
             raise
+
+    async def complete(self, ctx: CallContext) -> bytes:
+        """Non-streamed call: the encoded conformant response."""
+        await self._acquire(ctx)
         try:
             raw = await self.engine.chat(self._engine_body(ctx))
             completion, captured = normalize_completion(
@@ -176,11 +180,7 @@ class ChatService:
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
         """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
-        try:
-            await self.router.acquire(ctx.route)
-        except APIError as exc:
-            self._record(ctx, None, status="error", error=exc, ttft=None)
-            raise
+        await self._acquire(ctx)
         try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
         except APIError as exc:
