@@ -94,24 +94,33 @@ class Spool:
 
 class RecentTargets:
     """Ids of recently submitted calls and their episodes (bounded), so feedback that arrives before the
-    writer stores its target (still queued, or in the spool) is recognised and accepted."""
+    writer stores its target (still queued, or in the spool) is recognised and accepted. Client request ids
+    map to the newest call that carried them."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._calls: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._episodes: OrderedDict[str, str | None] = OrderedDict()
+        self._clients: OrderedDict[str, str] = OrderedDict()
 
     def remember(self, record: CallRecord) -> None:
         self._calls[record.id] = (record.episode_id, record.policy)
         self._episodes[record.episode_id] = record.policy
         self._episodes.move_to_end(record.episode_id)
-        for items in (self._calls, self._episodes):
+        if record.client_request_id is not None:
+            self._clients[record.client_request_id] = record.id
+            self._clients.move_to_end(record.client_request_id)
+        for items in (self._calls, self._episodes, self._clients):
             while len(items) > self.size:
                 items.popitem(last=False)
 
     def call(self, call_id: str) -> tuple[str, str | None] | None:
         """(episode id, policy) of a recent call; the episode may still change if the writer stitches it."""
         return self._calls.get(call_id)
+
+    def newest(self, client_request_id: str) -> str | None:
+        """Server id of the newest recent call that carried this client request id."""
+        return self._clients.get(client_request_id)
 
     def episode(self, episode_id: str) -> tuple[bool, str | None]:
         """(known, policy) of a recent episode."""

@@ -41,6 +41,7 @@ class CallContext:
     """Everything known about a call before the engine answers."""
 
     call_id: str
+    client_request_id: str | None
     request: ChatCompletionRequest
     body: dict[str, Any]
     route: Route
@@ -115,7 +116,8 @@ class ChatService:
         episode = assign_episode(headers.get("x-episode-id"), request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
         return CallContext(
-            call_id=supplied if supplied and valid_id(supplied) else new_id(),
+            call_id=new_id(),
+            client_request_id=supplied if supplied and valid_id(supplied) else None,
             request=request,
             body=body,
             route=route,
@@ -239,6 +241,7 @@ class ChatService:
         self.sink.submit(
             CallRecord(
                 id=ctx.call_id,
+                client_request_id=ctx.client_request_id,
                 episode_id=ctx.episode_id,
                 episode_resolved=ctx.episode_resolved,
                 stitch_lookup=ctx.hashes.lookup,

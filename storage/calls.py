@@ -39,6 +39,11 @@ _LAST_POSITIONS = (
     .where(Call.episode_id.in_(bindparam("episodes", expanding=True)))
     .group_by(Call.episode_id)
 )
+_TARGET = select(Call.id, Call.episode_id, Call.policy)
+_BY_ID = _TARGET.where(Call.id == bindparam("id"))
+_BY_CLIENT_ID = (
+    _TARGET.where(Call.client_request_id == bindparam("id")).order_by(Call.created_at.desc()).limit(1)
+)
 
 
 _JSON_COLUMNS = {name for name, column in Call.__table__.columns.items() if isinstance(column.type, JSON)}
@@ -147,6 +152,7 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         call_rows.append(
             {
                 "id": r.id,
+                "client_request_id": r.client_request_id,
                 "episode_id": r.episode_id,
                 "position": position,
                 "policy": r.policy,
@@ -185,6 +191,15 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         )
     await session.commit()
     return len(call_rows)
+
+
+async def find_call(session: AsyncSession, request_id: str) -> tuple[str, str, str | None] | None:
+    """(call id, episode id, policy) of the call a request id names: the call with that server id, else the
+    newest call whose client sent it as its own `x-request-id`; None when neither is stored (yet)."""
+    row = (await session.execute(_BY_ID, {"id": request_id})).first()
+    if row is None:
+        row = (await session.execute(_BY_CLIENT_ID, {"id": request_id})).first()
+    return None if row is None else (row[0], row[1], row[2])
 
 
 async def recent_stitch_keys(session: AsyncSession, limit: int) -> list[tuple[str, str]]:
