@@ -1,7 +1,7 @@
 """The chat-completions service: validate, route, call the engine, normalise, capture.
 
-This is the hot path. It does no I/O besides the engine call: capture is a queue append, model resolution and
-episode stitching are in-memory lookups.
+This is the hot path. Its only I/O besides the engine call is one append to the capture log (a write to the OS,
+no fsync); model resolution and episode stitching are in-memory lookups.
 """
 
 from __future__ import annotations
@@ -94,6 +94,13 @@ class ChatService:
     def prepare(self, raw_body: bytes, headers: Mapping[str, str]) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
         started = time.perf_counter()
+        if self.sink.closing:
+            raise APIError(
+                "the gateway is shutting down; retry on another replica or after it restarts",
+                status_code=503,
+                code="shutting_down",
+                retry_after=1.0,
+            )
         if len(raw_body) > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body is {len(raw_body)} bytes; the limit is {self.max_body_bytes}",
@@ -162,7 +169,7 @@ class ChatService:
             raise
 
     async def complete(self, ctx: CallContext) -> bytes:
-        """Non-streamed call: the encoded conformant response."""
+        """Non-streamed call: the encoded conformant response, returned only once the call is durably logged."""
         await self._acquire(ctx)
         try:
             raw = await self.engine.chat(self._engine_body(ctx))
@@ -181,7 +188,10 @@ class ChatService:
         return _encode(completion)
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
-        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
+        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay.
+
+        The relay records the call before it sends the final event (`[DONE]` or the error), so a client that
+        saw the end of its stream has a durably logged call."""
         await self._acquire(ctx)
         try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
