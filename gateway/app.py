@@ -121,10 +121,14 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
     sink = CaptureSink(
         database,
         settings.spool_path,
+        wal_dir=settings.capture_log_dir,
         queue_size=settings.capture_queue_size,
         batch_size=settings.capture_batch_size,
         flush_ms=settings.capture_flush_ms,
         retry_s=settings.capture_retry_s,
+        fsync_ms=settings.capture_fsync_ms,
+        segment_bytes=settings.capture_segment_bytes,
+        drain_timeout_s=settings.capture_drain_timeout_s,
     )
     chat = ChatService(
         engine,

@@ -1,7 +1,7 @@
 """The chat-completions service: validate, route, call the engine, normalise, capture.
 
-This is the hot path. It does no I/O besides the engine call: capture is a queue append, model resolution and
-episode stitching are in-memory lookups.
+This is the hot path. Its only I/O besides the engine call is one append to the capture log (a write to the OS,
+no fsync); model resolution and episode stitching are in-memory lookups.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class CallContext:
     """Everything known about a call before the engine answers."""
 
     call_id: str
+    client_request_id: str | None
     request: ChatCompletionRequest
     body: dict[str, Any]
     route: Route
@@ -94,6 +95,13 @@ class ChatService:
     def prepare(self, raw_body: bytes, headers: Mapping[str, str]) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
         started = time.perf_counter()
+        if self.sink.closing:
+            raise APIError(
+                "the gateway is shutting down; retry on another replica or after it restarts",
+                status_code=503,
+                code="shutting_down",
+                retry_after=1.0,
+            )
         if len(raw_body) > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body is {len(raw_body)} bytes; the limit is {self.max_body_bytes}",
@@ -116,7 +124,8 @@ class ChatService:
         episode = assign_episode(headers.get("x-episode-id"), request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
         return CallContext(
-            call_id=supplied if supplied and valid_id(supplied) else new_id(),
+            call_id=new_id(),
+            client_request_id=supplied if supplied and valid_id(supplied) else None,
             request=request,
             body=body,
             route=route,
@@ -161,13 +170,17 @@ class ChatService:
             body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
         return body
 
-    async def complete(self, ctx: CallContext) -> bytes:
-        """Non-streamed call: the encoded conformant response."""
+    async def _acquire(self, ctx: CallContext) -> None:
+        """Take a slot on the call's route; a refusal (e.g. overload) is the call's recorded outcome."""
         try:
             await self.router.acquire(ctx.route)
         except APIError as exc:
             self._record(ctx, None, status="error", error=exc, ttft=None)
             raise
+
+    async def complete(self, ctx: CallContext) -> bytes:
+        """Non-streamed call: the encoded conformant response, returned only once the call is durably logged."""
+        await self._acquire(ctx)
         try:
             raw = await self.engine.chat(self._engine_body(ctx))
             completion, captured = normalize_completion(
@@ -188,12 +201,11 @@ class ChatService:
         return _encode(completion)
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
-        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
-        try:
-            await self.router.acquire(ctx.route)
-        except APIError as exc:
-            self._record(ctx, None, status="error", error=exc, ttft=None)
-            raise
+        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay.
+
+        The relay records the call before it sends the final event (`[DONE]` or the error), so a client that
+        saw the end of its stream has a durably logged call."""
+        await self._acquire(ctx)
         try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
         except APIError as exc:
@@ -252,6 +264,7 @@ class ChatService:
         self.sink.submit(
             CallRecord(
                 id=ctx.call_id,
+                client_request_id=ctx.client_request_id,
                 episode_id=ctx.episode_id,
                 episode_resolved=ctx.episode_resolved,
                 stitch_lookup=ctx.hashes.lookup,

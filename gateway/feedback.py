@@ -34,8 +34,9 @@ from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
 from gateway.signing import Signature, SignatureError, verify
+from storage.calls import find_call
 from storage.database import Database
-from storage.episodes import call_target, episode_policy
+from storage.episodes import episode_policy
 from storage.rewards import NewReward, RewardInfo, insert_rewards, link_pending, mark_orphans, oldest_unlinked
 from storage.rewards import rewards_by_key as stored_by_key
 from storage.signatures import forget_signatures, record_signature
@@ -86,6 +87,7 @@ class _Target:
     status: str  # linked | pending
     episode_id: str | None
     policy: str | None
+    call_id: str | None = None  # the server id a request id resolved to
 
 
 def _param(message: str, prefix: str) -> str | None:
@@ -236,7 +238,7 @@ class FeedbackService:
                 NewReward(
                     source="feedback",
                     value=value,
-                    call_id=item.request_id,
+                    call_id=target.call_id,
                     episode_id=target.episode_id,
                     name=item.name,
                     label=label,
@@ -281,14 +283,16 @@ class FeedbackService:
                 code="invalid_target",
             )
         if item.request_id is not None:
-            stored = await call_target(session, ident)
+            # A server id names its call; a client's own id names the newest call that carried it.
+            call_id = self.recent.newest(ident) or ident
+            stored = await find_call(session, call_id)
             if stored is not None:
-                return _Target("linked", stored[0], stored[1])
-            recent = self.recent.call(ident)
+                return _Target("linked", stored[1], stored[2], stored[0])
+            recent = self.recent.call(call_id)
             if recent is not None:  # episode linked when written: stitching may still change it
-                return _Target("pending", None, recent[1])
+                return _Target("pending", None, recent[1], call_id)
             await self._within_grace(session, prefix + name, call_id=ident)
-            return _Target("pending", None, None)
+            return _Target("pending", None, None, ident)
         exists, policy = await episode_policy(session, ident)
         if exists:
             return _Target("linked", ident, policy)

@@ -143,6 +143,21 @@ class Settings(BaseSettings):
     capture_retry_s: float = Field(
         1.0, gt=0, description="Pause between attempts to reach a database that is down."
     )
+    capture_fsync_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="How often the capture log is fsynced: calls answered within this window before a power "
+        "loss may be lost (a process kill loses none). 0 never fsyncs.",
+    )
+    capture_segment_bytes: int = Field(
+        16 * 2**20, ge=4096, description="Size at which the capture log starts a new segment file."
+    )
+    capture_drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="At shutdown, longest wait for the capture writer to store every call; what is left stays in "
+        "the capture log and is stored at the next start.",
+    )
     stitch_cache_size: int = Field(
         100_000, ge=0, description="Recent conversation tails kept in memory for prefix stitching."
     )
@@ -243,6 +258,10 @@ class Settings(BaseSettings):
     @property
     def spool_path(self) -> Path:
         return self.data_dir / "spool" / "calls.jsonl"
+
+    @property
+    def capture_log_dir(self) -> Path:
+        return self.data_dir / "spool" / "log"
 
     @classmethod
     def settings_customise_sources(

@@ -142,12 +142,6 @@ async def episode_policy(session: AsyncSession, episode_id: str) -> tuple[bool, 
     return (False, None) if row is None else (True, row.policy)
 
 
-async def call_target(session: AsyncSession, call_id: str) -> tuple[str, str | None] | None:
-    """(episode id, policy) of a stored call, or None when it is not written (yet)."""
-    row = (await session.execute(select(Call.episode_id, Call.policy).where(Call.id == call_id))).first()
-    return None if row is None else (row.episode_id, row.policy)
-
-
 async def episode_policies(session: AsyncSession, episode_ids: list[str]) -> dict[str, str | None]:
     rows = await session.execute(select(Episode.id, Episode.policy).where(Episode.id.in_(episode_ids)))
     return {episode_id: policy for episode_id, policy in rows}

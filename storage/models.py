@@ -86,6 +86,8 @@ class Call(Base):
     __table_args__ = (Index("ix_calls_episode_position", "episode_id", "position"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The client's own request id (`x-request-id`): indexed for feedback, not unique (SDK retries repeat it).
+    client_request_id: Mapped[str | None] = mapped_column(String(64), index=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
     position: Mapped[int] = mapped_column(Integer)
     policy: Mapped[str | None] = mapped_column(String(128), index=True)

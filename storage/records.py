@@ -14,7 +14,10 @@ class CallRecord(msgspec.Struct, kw_only=True):
     otherwise the writer looks `stitch_lookup` (prefix hashes, longest first) up in the database first.
     """
 
-    id: str
+    id: str  # server-generated, unique: what writes are idempotent by
+    client_request_id: str | None = (
+        None  # the client's `x-request-id`; retries repeat it, so it is not unique
+    )
     episode_id: str
     episode_resolved: bool
     stitch_lookup: list[str] = []

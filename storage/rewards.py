@@ -171,6 +171,21 @@ async def link_pending(session: AsyncSession) -> set[str]:
             update(Reward).where(Reward.id == reward_id).values(episode_id=episode_id, status="linked")
         )
         touched.add(episode_id)
+    # Early feedback may name a client's own request id: it goes to the newest call that carried it.
+    by_client_id = await session.execute(
+        select(Reward.id, Call.id, Call.episode_id)
+        .join(Call, Call.client_request_id == Reward.call_id)
+        .where(Reward.status != "linked", Reward.call_id.is_not(None))
+        .order_by(Call.created_at)
+    )
+    newest = {reward_id: (call_id, episode_id) for reward_id, call_id, episode_id in by_client_id}
+    for reward_id, (call_id, episode_id) in newest.items():
+        await session.execute(
+            update(Reward)
+            .where(Reward.id == reward_id)
+            .values(call_id=call_id, episode_id=episode_id, status="linked")
+        )
+        touched.add(episode_id)
     by_episode = await session.execute(
         select(Reward.id, Episode.id)
         .join(Episode, Episode.id == Reward.episode_id)

@@ -215,7 +215,7 @@ def test_models_health_and_ready(make_gateway: MakeGateway, database_url: str) -
     assert ready.status_code == 200 and ready.json()["database"] is True
 
 
-def test_request_id_is_honoured_and_no_log_stores_nothing(
+def test_client_request_id_is_kept_and_no_log_stores_nothing(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
     gw = make_gateway(database_url, admin_key="adm")
@@ -224,12 +224,14 @@ def test_request_id_is_honoured_and_no_log_stores_nothing(
     ).chat.completions.with_raw_response.create(
         model="scripted-1", messages=[{"role": "user", "content": "keep"}]
     )
-    assert raw.headers["x-request-id"] == "my-request-0001"
+    server_id = raw.headers["x-request-id"]
+    assert server_id != "my-request-0001"
+    assert raw.headers["x-client-request-id"] == "my-request-0001"
     client(gw, default_headers={"x-kaizen-no-log": "true"}).chat.completions.create(
         model="scripted-1", messages=[{"role": "user", "content": "secret"}]
     )
     rows = calls(gw, database_url)
-    assert [r["id"] for r in rows] == ["my-request-0001"]
+    assert [(r["id"], r["client_request_id"]) for r in rows] == [(server_id, "my-request-0001")]
     assert "secret" not in json.dumps(query(database_url, "SELECT * FROM episodes"), default=str)
     stats = httpx.get(gw.url + "/admin/capture", headers={"authorization": "Bearer adm"}).json()
     assert stats["opted_out"] == 1 and stats["written"] == 1 and stats["dropped"] == 0

@@ -165,7 +165,7 @@ def _early_feedback(gw: GatewayServer, database_url: str) -> None:
     assert early_episode.json()["items"][0]["status"] == "pending"
     assert {r["status"] for r in rewards(database_url)} == {"pending"}
 
-    _, late_episode = chat(gw, "arrives later", **{"x-request-id": "req-early-1"})
+    late_call, late_episode = chat(gw, "arrives later", **{"x-request-id": "req-early-1"})
     chat(gw, "episode later", **{"x-episode-id": "ep-early-1"})
     gw.flush()
     deadline = time.monotonic() + 10
@@ -174,7 +174,8 @@ def _early_feedback(gw: GatewayServer, database_url: str) -> None:
         time.sleep(0.1)
     linked = {r["call_id"] or r["episode_id"]: r for r in rewards(database_url)}
     assert linked[queued_call]["episode_id"] == queued_episode
-    assert linked["req-early-1"]["episode_id"] == late_episode
+    # Early feedback naming a client's own request id is linked to the server id of the call that carried it.
+    assert linked[late_call]["episode_id"] == late_episode
     assert episode(gw, queued_episode)["reward"] == 0.5
     assert episode(gw, late_episode)["reward"] == 0.9
     assert episode(gw, "ep-early-1")["reward"] == 0.0
@@ -195,6 +196,23 @@ def test_feedback_by_episode_right_after_early_feedback_by_call(
     assert by_episode.json()["items"][0]["status"] == "linked"
     assert sorted(r["value"] for r in rewards(database_url)) == [0.25, 0.75]
     assert sorted(r["value"] for r in episode(gw, episode_id)["rewards"]) == [0.25, 0.75]
+
+
+def test_feedback_by_a_repeated_client_request_id_reaches_the_newest_call(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url)
+    first, _ = chat(gw, "try", **{"x-request-id": "sdk-retry-1"})
+    second, second_episode = chat(gw, "try again", **{"x-request-id": "sdk-retry-1"})
+    assert first != second
+    gw.flush()
+    by_client_id = feedback(gw, {"request_id": "sdk-retry-1", "value": 1})
+    by_server_id = feedback(gw, {"request_id": first, "value": 0})
+    assert by_client_id.status_code == by_server_id.status_code == 200, by_client_id.text
+    assert [item["status"] for item in by_client_id.json()["items"]] == ["linked"]
+    stored = {r["value"]: (r["call_id"], r["episode_id"]) for r in rewards(database_url)}
+    assert stored[1.0] == (second, second_episode)
+    assert stored[0.0][0] == first
 
 
 def test_unknown_target_after_grace_period(make_gateway: MakeGateway, database_url: str) -> None:

@@ -1,0 +1,280 @@
+"""Sustained load: does capture keep up, and does the gateway's memory stay flat?
+
+Starts the scripted upstream (its own process) and, for each database (SQLite, and PostgreSQL from a throwaway
+server), a real `kaizen serve` child in front of it; sends chat calls (every other one streamed, each with its own
+text) at a fixed concurrency for ``--seconds`` straight to the upstream (the baseline) and then through each
+gateway. While the load runs it samples, twice a second, the capture backlog (calls answered with 200 but not
+yet rows in `calls`, counted in SQL by a separate connection), the gateway's `/admin/capture` counters and its
+resident memory. When the load stops it measures how long until every answered call is a row.
+
+    python -m tests.bench.bench_sustained [--seconds 180] [--concurrency 32] [--databases sqlite postgres]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway.demo.runner import GatewayProcess
+from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
+from tests.support.child_gateway import rss_bytes, sql, upstream_gateway
+from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+
+logger = logging.getLogger("bench_sustained")
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "sustained.json"
+SAMPLE_S = 0.5
+REQUEST_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 120.0
+MB = 1024 * 1024
+
+
+@dataclass
+class Run:
+    """What one target's load measured."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    served: int = 0  # calls answered with a complete 200
+    elapsed_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ordered = sorted(self.latencies_s)
+        return {
+            "requests": self.served + self.errors,
+            "errors": self.errors,
+            "req_per_s": round(self.served / self.elapsed_s, 1) if self.elapsed_s else None,
+            "p50_ms": round(percentile(ordered, 50) * 1000, 2),
+            "p99_ms": round(percentile(ordered, 99) * 1000, 2),
+        }
+
+
+async def load(
+    session: aiohttp.ClientSession,
+    chat_url: str,
+    headers: dict[str, str],
+    seconds: float,
+    concurrency: int,
+    run: Run | None = None,
+) -> Run:
+    """`concurrency` callers in a loop until the time is up; a call counts as served only when it is a 200 and,
+    for streams, ends with `[DONE]`. `run` is filled in as calls finish, so a sampler can watch it."""
+    run = run or Run()
+    tag = uuid.uuid4().hex[:8]
+    stop_at = time.monotonic() + seconds
+
+    async def caller(index: int) -> None:
+        sequence = 0
+        while time.monotonic() < stop_at:
+            sequence += 1
+            stream = sequence % 2 == 0
+            body = {
+                "model": "scripted-1",
+                "messages": [{"role": "user", "content": f"sustained {tag} {index} {sequence}"}],
+                "stream": stream,
+            }
+            started = time.perf_counter()
+            try:
+                async with session.post(chat_url, json=body, headers=headers) as response:
+                    payload = await response.read()
+                    ok = response.status == 200 and (not stream or payload.endswith(b"data: [DONE]\n\n"))
+            except (TimeoutError, aiohttp.ClientError):
+                ok = False
+            if ok:
+                run.latencies_s.append(time.perf_counter() - started)
+                run.served += 1
+            else:
+                run.errors += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    run.elapsed_s = time.perf_counter() - started
+    return run
+
+
+async def row_count(database_url: str) -> int:
+    [row] = await sql(database_url, "SELECT COUNT(*) AS n FROM calls")
+    return int(row["n"])
+
+
+async def capture_counters(session: aiohttp.ClientSession, gateway: GatewayProcess) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {gateway.admin_key}"}
+    async with session.get(f"{gateway.url}/admin/capture", headers=headers) as response:
+        return dict(await response.json()) if response.status == 200 else {"status": response.status}
+
+
+async def through_gateway(
+    session: aiohttp.ClientSession, gateway: GatewayProcess, database_url: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Load through one gateway while sampling backlog and memory, then time the drain."""
+    headers = {"Authorization": f"Bearer {gateway.api_key}"}
+    chat_url = f"{gateway.url}/v1/chat/completions"
+    warm = await load(session, chat_url, headers, args.warmup_seconds, args.concurrency)
+    rss_start = rss_bytes(gateway)
+    run = Run()
+    backlog: list[int] = []
+    rss: list[int] = []
+    running = asyncio.create_task(load(session, chat_url, headers, args.seconds, args.concurrency, run))
+    while not running.done():
+        await asyncio.wait({running}, timeout=SAMPLE_S)
+        # Served is read before the rows, so a call answered between the two reads is never counted as stored.
+        served = warm.served + run.served
+        backlog.append(max(0, served - await row_count(database_url)))
+        rss.append(rss_bytes(gateway))
+    await running
+    counters_at_stop = await capture_counters(session, gateway)
+    served = warm.served + run.served
+    stopped = time.perf_counter()
+    rows = await row_count(database_url)
+    while rows < served and time.perf_counter() - stopped < DRAIN_TIMEOUT_S:
+        await asyncio.sleep(0.05)
+        rows = await row_count(database_url)
+    drain_s = time.perf_counter() - stopped
+    rss_end = rss_bytes(gateway)
+    return {
+        **run.summary(),
+        "rss_start_mb": round(rss_start / MB, 1),
+        "rss_end_mb": round(rss_end / MB, 1),
+        "rss_growth_mb": round((rss_end - rss_start) / MB, 1),
+        "rss_max_mb": round(max(rss, default=rss_end) / MB, 1),
+        "backlog_max": max(backlog, default=0),
+        "backlog_mean": round(statistics.fmean(backlog), 1) if backlog else 0,
+        "backlog_samples": len(backlog),
+        "drain_s": round(drain_s, 3),
+        "served_total": served,
+        "rows_total": rows,
+        "missing_after_drain": served - rows,
+        "capture_counters_at_stop": counters_at_stop,
+    }
+
+
+@contextlib.contextmanager
+def database(kind: str, root: Path) -> Iterator[str]:
+    """A fresh, empty database of the given kind; a PostgreSQL server lives as long as the block."""
+    if kind == "sqlite":
+        yield f"sqlite:///{root / 'sustained.db'}"
+        return
+    bin_dir = find_bin_dir()
+    if bin_dir is None:
+        raise RuntimeError("PostgreSQL server binaries not found (install Debian's postgresql package)")
+    server = PostgresServer(bin_dir)
+    server.init()
+    server.start()
+    try:
+        server.wait_ready()
+        yield server.create_database("sustained")
+    finally:
+        server.destroy()
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kaizen-sustained-") as tmp:
+        root = Path(tmp)
+        processes = Processes(root)
+        port = free_port()
+        upstream = Target(
+            "upstream", f"http://127.0.0.1:{port}/v1/chat/completions", f"http://127.0.0.1:{port}/health"
+        )
+        try:
+            process = processes.start(
+                "upstream", [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(port)]
+            )
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                await wait_healthy(session, upstream, process, processes)
+                logger.info("direct to the upstream for %.0f s", args.seconds)
+                await load(session, upstream.chat_url, {}, args.warmup_seconds, args.concurrency)
+                results["direct"] = (
+                    await load(session, upstream.chat_url, {}, args.seconds, args.concurrency)
+                ).summary()
+                for kind in args.databases:
+                    with database(kind, root / kind) as url:
+                        gateway = upstream_gateway(root / kind, url, f"http://127.0.0.1:{port}/v1")
+                        gateway.start()
+                        try:
+                            await gateway.wait_ready(timeout_s=120)
+                            logger.info("through the gateway on %s for %.0f s", kind, args.seconds)
+                            results[kind] = await through_gateway(session, gateway, url, args)
+                        finally:
+                            gateway.stop()
+                    logger.info("%s: %s", kind, results[kind])
+        finally:
+            processes.stop_all()
+    return {
+        "benchmark": "sustained load with capture",
+        "settings": {key: value for key, value in vars(args).items() if key != "out"},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "unix_time": int(time.time()),
+        "results": results,
+    }
+
+
+def format_table(results: dict[str, Any]) -> str:
+    header = (
+        f"{'target':<9} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} | {'RSS start':>9} {'end':>6} "
+        f"{'growth':>6} | {'backlog max':>11} {'mean':>6} | {'drain s':>7} {'missing':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for name, r in results.items():
+        row = f"{name:<9} {r['req_per_s']:>7} {r['p50_ms']:>7} {r['p99_ms']:>7} {r['errors']:>6} |"
+        if "rss_start_mb" in r:
+            row += (
+                f" {r['rss_start_mb']:>9} {r['rss_end_mb']:>6} {r['rss_growth_mb']:>6} |"
+                f" {r['backlog_max']:>11} {r['backlog_mean']:>6} | {r['drain_s']:>7} {r['missing_after_drain']:>7}"
+            )
+        lines.append(row)
+    lines.append(
+        "RSS in MiB; backlog = calls answered with 200 but not yet rows in `calls`, sampled every 0.5 s"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=180.0, help="measured load per target")
+    parser.add_argument("--warmup-seconds", type=float, default=5.0, help="unmeasured load before each")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--databases", nargs="+", choices=["sqlite", "postgres"], default=["sqlite", "postgres"]
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.warmup_seconds < 0 or args.concurrency < 1:
+        parser.error("--seconds and --concurrency must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
+    results = asyncio.run(benchmark(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    logger.info("\n%s\nresults written to %s", format_table(results["results"]), args.out)
+
+
+if __name__ == "__main__":
+    main()

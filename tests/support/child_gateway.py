@@ -1,0 +1,86 @@
+"""A real `kaizen serve` child process in front of the scripted upstream, for fault tests and benchmarks that
+must kill, stop and restart the gateway as an operating system process (SIGKILL, SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from gateway.demo.runner import GatewayProcess
+from gateway.settings import async_database_url
+
+
+def upstream_gateway(
+    data_dir: Path, database_url: str, upstream_url: str, extra_env: dict[str, str] | None = None
+) -> GatewayProcess:
+    """A child gateway with `KAIZEN_ENGINE=upstream`; nothing runs until `start()`. Restarting it (`start()`
+    again after it exited) keeps its port, keys, data directory and database."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        "KAIZEN_ENGINE": "upstream",
+        "KAIZEN_UPSTREAM_URL": upstream_url,
+        "KAIZEN_UPSTREAM_TOKEN_IDS": "true",
+        "KAIZEN_DATABASE_URL": database_url,
+        "KAIZEN_SCHEDULER": "false",
+        "KAIZEN_LOG_LEVEL": "warning",
+        **(extra_env or {}),
+    }
+    # The base model is not used by the upstream engine; the scripted upstream's model name keeps it honest.
+    return GatewayProcess(data_dir, "scripted-1", data_dir / "gateway.log", env)
+
+
+async def start(gateway: GatewayProcess, timeout_s: float = 60) -> None:
+    gateway.start()
+    await gateway.wait_ready(timeout_s=timeout_s)
+
+
+async def kill(gateway: GatewayProcess) -> None:
+    """SIGKILL: no shutdown code runs, as in an out-of-memory kill or a power cut of the container."""
+    assert gateway.process is not None
+    gateway.process.send_signal(signal.SIGKILL)
+    await asyncio.to_thread(gateway.process.wait)
+
+
+async def terminate(gateway: GatewayProcess, timeout_s: float = 60) -> int:
+    """SIGTERM and wait for the graceful shutdown to end; returns the exit status."""
+    assert gateway.process is not None
+    gateway.process.send_signal(signal.SIGTERM)
+    return await asyncio.to_thread(gateway.process.wait, timeout_s)
+
+
+def rss_bytes(gateway: GatewayProcess) -> int:
+    """Resident memory of the gateway process (Linux `/proc`)."""
+    assert gateway.process is not None
+    for line in Path(f"/proc/{gateway.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS line in /proc/<pid>/status")
+
+
+async def sql(database_url: str, statement: str, **params: Any) -> list[dict[str, Any]]:
+    """Rows of one query, read the way an operator would (a separate connection, not the gateway's)."""
+    engine = create_async_engine(async_database_url(database_url))
+    try:
+        async with engine.connect() as conn:
+            result = await conn.execute(text(statement), params)
+            return [dict(row._mapping) for row in result]
+    finally:
+        await engine.dispose()
+
+
+async def poll(check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.2) -> bool:
+    """Re-run `check` until it holds or the deadline passes; returns whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await check():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval_s)
