@@ -1,7 +1,7 @@
 """signature replays: signed feedback requests already applied, shared by every replica
 
 Revision ID: 0007
-Revises: 0004
+Revises: 0006
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0007"
-down_revision: str | None = "0004"
+down_revision: str | None = "0006"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
