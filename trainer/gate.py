@@ -29,7 +29,7 @@ from storage.episodes import Trajectory
 from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.engine_sampling import gateway_headers, post_completion
+from trainer.gateway_requests import gateway_headers, post_completion
 from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)

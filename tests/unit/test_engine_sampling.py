@@ -17,7 +17,8 @@ from tests.support.postgres import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
 from trainer.config import TrainConfig
 from trainer.dataset import DataReport
-from trainer.engine_sampling import EngineEndpoint, EngineSamplingError, parse_choices
+from trainer.engine_sampling import EngineEndpoint, parse_choices
+from trainer.gateway_requests import EngineSamplingError
 from trainer.grouping import PolicyScorer, resample_groups
 from trainer.scoring import GroupScore, Score
 from trainer.tokens import tokenize
