@@ -212,7 +212,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from storage.policies import get_policy
     from storage.schema import upgrade_database
     from trainer.engine_sampling import EngineEndpoint
-    from trainer.grouping import PolicyScorer
+    from trainer.grouping import PolicyReplyScorer
     from trainer.job import TrainRequest, run_training
     from trainer.rewards import policy_reward_config
     from trainer.scoring import Scorer
@@ -247,7 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 base_model_path=resolve_base_model(policy.base_model, settings.data_dir / "models"),
                 overrides=overrides,
                 since=parse_since(args.since) if args.since else None,
-                scorer=PolicyScorer(scorer, args.policy),
+                scorer=PolicyReplyScorer(scorer, args.policy),
                 sampler=sampler,
                 device=args.device,
             )

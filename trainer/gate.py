@@ -167,7 +167,7 @@ def _reply_text(reply: dict[str, Any]) -> str:
     return json.dumps(reply["tool_calls"]) if reply.get("tool_calls") else ""
 
 
-class EngineSampler:
+class VersionSampler:
     """Samples replies of one version through an OpenAI-compatible URL (the gateway's own, by default)."""
 
     def __init__(
@@ -218,7 +218,7 @@ async def evaluate(
     active: int,
     *,
     scorer: Scorer,
-    sampler: EngineSampler,
+    sampler: VersionSampler,
     config: GateConfig,
 ) -> GateResult:
     """Sample, score and compare both versions on held-out contexts; never promotes by itself."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.database import Database
-from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy, next_version
+from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, get_policy, next_version
 from storage.training import (
     acquire_lock,
     episode_calls,
@@ -35,10 +35,10 @@ from storage.training import (
     start_run,
 )
 from trainer.config import TrainConfig
-from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
+from trainer.dataset import DataReport, TrainingExample, build_example, select_episodes
 from trainer.engine_sampling import EngineEndpoint
 from trainer.gate import GateConfig, is_held_out
-from trainer.grouping import Group, Sampler, Scorer, group_by_column, group_stats, resample_groups
+from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
 from trainer.tracking import Tracker, open_tracker
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TrainRequest:
     since: datetime | None = None
     until: datetime | None = None
     #: Scores resampled replies; required for `resample` grouping.
-    scorer: Scorer | None = None
+    scorer: ReplyScorer | None = None
     #: Where resampled replies come from: the serving engine behind this gateway URL (exact behaviour logprobs
     #: of what is served), or None for the trainer's own copy of the adapter (`LocalSampler`).
     sampler: EngineEndpoint | None = None
@@ -75,10 +75,6 @@ class TrainOutcome:
     adapter_path: str | None
     metrics: dict[str, Any]
     error: str | None = None
-
-
-def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
-    return data_dir / "adapters" / policy / str(version)
 
 
 @contextlib.asynccontextmanager
@@ -107,7 +103,7 @@ async def _heartbeat(
 
 async def _load_trajectories(
     db: Database, policy: PolicyInfo, cfg: TrainConfig, request: TrainRequest, report: DataReport
-) -> tuple[list[Trajectory], datetime | None, datetime]:
+) -> tuple[list[TrainingExample], datetime | None, datetime]:
     until = request.until or datetime.now(UTC)
     async with db.session() as session:
         since = request.since if request.since is not None else await last_data_cutoff(session, policy.id)
@@ -122,7 +118,7 @@ async def _load_trajectories(
         calls = await episode_calls(session, [e.id for e in episodes])
     trajectories = []
     for episode in episodes:
-        trajectory = build_trajectory(episode, calls.get(episode.id, []), report)
+        trajectory = build_example(episode, calls.get(episode.id, []), report)
         if trajectory is not None:
             trajectories.append(trajectory)
     return trajectories, since, until

@@ -48,7 +48,7 @@ from storage.jobs import (
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import prune_adapters, prune_calls
 from storage.training import last_data_cutoff
-from trainer.gate import EngineSampler, GateConfig, GateResult, evaluate
+from trainer.gate import GateConfig, GateResult, VersionSampler, evaluate
 from trainer.judge_job import judge_policy
 from trainer.rewards import policy_reward_config
 from trainer.ruler import JudgeSettings
@@ -349,7 +349,7 @@ class JobRunner:
             result = GateResult("promote", candidate, -1, ["no active version to compare with"])
         else:
             scorer = Scorer(reward_config, self.config.judge, webhook_secret=self.config.webhook_secret)
-            sampler = EngineSampler(self.config.gate_url, self.config.gate_api_key, config)
+            sampler = VersionSampler(self.config.gate_url, self.config.gate_api_key, config)
             try:
                 result = await evaluate(
                     self.database,

@@ -58,12 +58,12 @@ async def resample_once(
     url: str, api_key: str, tokenizer: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
     from trainer.config import TrainConfig
-    from trainer.dataset import DataReport, Trajectory
+    from trainer.dataset import DataReport, TrainingExample
     from trainer.engine_sampling import EngineEndpoint
     from trainer.grouping import resample_groups
 
     trajectories = [
-        Trajectory(
+        TrainingExample(
             episode_id=f"e{i}",
             context=[{"role": "user", "content": question}],
             tools=None,
