@@ -71,9 +71,10 @@ class RunnerConfig:
 
     data_dir: Path
     judge: JudgeSettings
-    #: argv of the training child, before `--policy P` (e.g. `python -m gateway train`).
+    #: argv of the training child, before `--policy P --base-model B` (`python -m trainer ...`, see
+    #: trainer.train_command).
     train_command: Sequence[str]
-    #: Environment of the training child (the parent's settings as `KAIZEN_*` variables).
+    #: Environment of the training child: where it finds the secrets it needs (see trainer.train_command).
     child_env: Mapping[str, str]
     #: OpenAI-compatible URL the gate samples both versions through (the gateway's own /v1).
     gate_url: str
@@ -84,6 +85,9 @@ class RunnerConfig:
     sleep_engine: bool = False
     train_timeout_s: float = 6 * 3600.0
     lock_ttl_s: float = 60.0
+    #: Maps a policy's base model to what the child loads (a local directory, or a Hugging Face id passed
+    #: through); runs in a thread, as it may build an embedded model on first use.
+    base_model_path: Callable[[str], str] = str
 
 
 def _now() -> datetime:
@@ -261,7 +265,11 @@ class JobRunner:
     async def _run_child(
         self, policy: PolicyInfo, before: int, announce: Callable[[int], None], log_path: Path
     ) -> tuple[int | None, collections.deque[str], int | None]:
-        argv = [*self.config.train_command, "--policy", policy.name]
+        try:
+            base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
+        except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
+            return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
+        argv = [*self.config.train_command, "--policy", policy.name, "--base-model", base_model]
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         process = await asyncio.create_subprocess_exec(
             *argv,
