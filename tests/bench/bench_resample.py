@@ -94,7 +94,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gateway.base_models import resolve_base_model
-    from gateway.demo.runner import GatewayProcess
+    from gateway.serve_process import GatewayProcess
 
     base_path = await asyncio.to_thread(resolve_base_model, "smollm2-135m-instruct", args.models_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
