@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--policy", required=True, help="Policy to train.")
-    parser.add_argument("--database-url", help="Database URL (default: $KAIZEN_DATABASE_URL).")
+    parser.add_argument(
+        "--database-url",
+        help="Async SQLAlchemy URL: sqlite+aiosqlite:///... or postgresql+asyncpg://... "
+        "(default: $KAIZEN_DATABASE_URL, as the gateway passes it).",
+    )
     parser.add_argument("--data-dir", type=Path, required=True, help="Where adapters and logs are written.")
     parser.add_argument(
         "--base-model",
