@@ -192,71 +192,39 @@ def cmd_judge(args: argparse.Namespace) -> int:
     return run_judge(settings, args.policy, args.since, args.limit)
 
 
-def _override_value(text: str) -> Any:
-    """`--set` values are JSON when they parse (numbers, lists, objects), plain strings otherwise."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    """One GRPO run of a policy (see trainer.job); exits 0 when a candidate was written, 3 when nothing was."""
+    """One GRPO run of a policy, in this process: `python -m trainer` with its arguments taken from the
+    settings. Exits 0 when a candidate was written, 3 when nothing was."""
     from gateway.base_models import resolve_base_model
     from gateway.judge_command import judge_settings, parse_since
     from gateway.scheduling import gate_url
-    from storage.database import Database
-    from storage.policies import get_policy
-    from storage.schema import upgrade_database
     from trainer.engine_sampling import EngineEndpoint
-    from trainer.grouping import PolicyScorer
-    from trainer.job import TrainRequest, run_training
-    from trainer.rewards import policy_reward_config
-    from trainer.scoring import Scorer
+    from trainer.train_command import NO_CANDIDATE, TrainingInputs, parse_overrides, train_policy
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
-    overrides = {
-        key: _override_value(value) for key, value in (item.split("=", 1) for item in args.set or [])
-    }
-    sampler = None
+    engine = None
     if settings.train_sampler == "engine" and settings.engine_sleep_during_training:
         log.info("the engine sleeps while training runs: resampling with the trainer's own model")
     elif settings.train_sampler == "engine":
         # The scheduler's training child inherits the gateway's KAIZEN_* settings: this is that gateway's URL.
-        sampler = EngineEndpoint(
+        engine = EngineEndpoint(
             gate_url(settings), settings.api_keys[0] if settings.api_keys else None, max_n=settings.max_n
         )
-
-    async def run() -> int:
-        await upgrade_database(settings.database_url)
-        database = Database(settings.database_url)
-        try:
-            async with database.session() as session:
-                policy = await get_policy(session, args.policy)
-                if policy is None:
-                    raise ValueError(f"unknown policy {args.policy!r}")
-                reward_config = await policy_reward_config(session, args.policy)
-            scorer = Scorer(reward_config, judge_settings(settings), webhook_secret=settings.feedback_secret)
-            request = TrainRequest(
-                policy=args.policy,
-                data_dir=settings.data_dir,
-                base_model_path=resolve_base_model(policy.base_model, settings.data_dir / "models"),
-                overrides=overrides,
-                since=parse_since(args.since) if args.since else None,
-                scorer=PolicyScorer(scorer, args.policy),
-                sampler=sampler,
-                device=args.device,
-            )
-            outcome = await run_training(database, request)
-        finally:
-            await database.dispose()
-        log.info(
-            "training run %d: %s %s", outcome.run_id, outcome.status, outcome.adapter_path or outcome.error
-        )
-        return 0 if outcome.status == "succeeded" else 3
-
-    return asyncio.run(run())
+    inputs = TrainingInputs(
+        policy=args.policy,
+        database_url=settings.database_url,
+        data_dir=settings.data_dir,
+        judge=judge_settings(settings),
+        overrides=parse_overrides(args.set or []),
+        since=parse_since(args.since) if args.since else None,
+        engine=engine,
+        webhook_secret=settings.feedback_secret,
+        device=args.device,
+    )
+    models_dir = settings.data_dir / "models"
+    outcome = asyncio.run(train_policy(inputs, lambda name: resolve_base_model(name, models_dir)))
+    return 0 if outcome.status == "succeeded" else NO_CANDIDATE
 
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:

@@ -168,9 +168,8 @@ class ModelRouter:
             for n, s in self.policies.items()
             if s.active_version is not None
         }
-        loaded = getattr(self.engine, "adapters", {})
         now = time.monotonic()
-        for name in list(loaded):
+        for name in self.engine.loaded_adapters():
             if name in active or self.in_flight.get(name, 0) > 0:
                 continue
             if now - self.last_used.get(name, 0.0) < self.idle_unload_s:

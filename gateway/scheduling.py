@@ -6,11 +6,13 @@ The admin API starts jobs through the same runner, so a manual run obeys the sam
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from pathlib import Path
 
+from gateway.base_models import resolve_base_model
 from gateway.judge_command import judge_settings
 from gateway.settings import Settings
 from storage.database import Database
@@ -43,6 +45,43 @@ def gate_url(settings: Settings) -> str:
     return f"http://{host}:{settings.port}/v1"
 
 
+def train_command(settings: Settings) -> list[str]:
+    """argv of the training child (`python -m trainer`, the scheduler adds `--policy` and `--base-model`).
+
+    Secrets stay out of argv: the child reads them from its environment (`child_env`)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--data-dir",
+        str(settings.data_dir.resolve()),
+        "--log-level",
+        settings.log_level,
+        *judge_arguments(settings),
+    ]
+    if settings.train_sampler == "engine" and not settings.engine_sleep_during_training:
+        argv += ["--engine-url", gate_url(settings), "--engine-max-n", str(settings.max_n)]
+    return argv
+
+
+def judge_arguments(settings: Settings) -> list[str]:
+    """The judge settings as `python -m trainer` flags (the API key goes by environment)."""
+    judge = judge_settings(settings)
+    argv = [
+        "--judge-model",
+        judge.model,
+        "--judge-temperature",
+        str(judge.temperature),
+        "--judge-timeout-s",
+        str(judge.timeout_s),
+        "--judge-max-retries",
+        str(judge.max_retries),
+        "--judge-concurrency",
+        str(judge.concurrency),
+    ]
+    return [*argv, "--judge-api-base", judge.api_base] if judge.api_base else argv
+
+
 def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerConfig:
     """`engine_url`: the /v1 URL of this process's vLLM engine. A separate worker has no engine: it uses
     `vllm_url`, or the configured `vllm_port` (with port 0 it cannot know the gateway's pick)."""
@@ -54,7 +93,8 @@ def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerCo
     return RunnerConfig(
         data_dir=settings.data_dir,
         judge=judge_settings(settings),
-        train_command=[sys.executable, "-m", "gateway", "train"],
+        train_command=train_command(settings),
+        base_model_path=functools.partial(resolve_base_model, models_dir=settings.data_dir / "models"),
         child_env=child_env(settings),
         gate_url=gate_url(settings),
         gate_api_key=settings.api_keys[0] if settings.api_keys else None,

@@ -30,7 +30,7 @@ class EarlierTurn:
 
 
 @dataclass(frozen=True)
-class Trajectory:
+class TrainingExample:
     """One attempt at a task: the context before its final assistant turn, that turn, and its reward."""
 
     episode_id: str
@@ -115,7 +115,7 @@ def _choice_ids(call: CallRow, index: int) -> tuple[list[int] | None, list[float
     return ids, lps
 
 
-def build_trajectory(episode: EpisodeRow, calls: list[CallRow], report: DataReport) -> Trajectory | None:
+def build_example(episode: EpisodeRow, calls: list[CallRow], report: DataReport) -> TrainingExample | None:
     """The trajectory of an episode, or None (counted) when its last call has no usable reply."""
     if not calls:
         report.add("dropped_no_calls")
@@ -132,7 +132,7 @@ def build_trajectory(episode: EpisodeRow, calls: list[CallRow], report: DataRepo
         if call.prompt_token_ids and call.completion_token_ids:
             options = [_choice_ids(call, i) for i in range(len(call.completion_token_ids))]
             earlier.append(EarlierTurn(list(call.prompt_token_ids), [(i, lp) for i, lp in options if i]))
-    return Trajectory(
+    return TrainingExample(
         episode_id=episode.id,
         context=list(last.request.get("messages") or []),
         tools=last.request.get("tools"),

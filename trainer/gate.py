@@ -28,7 +28,7 @@ from storage.episodes import Trajectory
 from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.engine_sampling import gateway_headers, post_completion
+from trainer.gateway_requests import gateway_headers, post_completion
 from trainer.policy_config import GateConfig
 from trainer.scoring import Scorer
 
@@ -134,7 +134,7 @@ def _reply_text(reply: dict[str, Any]) -> str:
     return json.dumps(reply["tool_calls"]) if reply.get("tool_calls") else ""
 
 
-class EngineSampler:
+class VersionSampler:
     """Samples replies of one version through an OpenAI-compatible URL (the gateway's own, by default)."""
 
     def __init__(
@@ -185,7 +185,7 @@ async def evaluate(
     active: int,
     *,
     scorer: Scorer,
-    sampler: EngineSampler,
+    sampler: VersionSampler,
     config: GateConfig,
 ) -> GateResult:
     """Sample, score and compare both versions on held-out contexts; never promotes by itself."""

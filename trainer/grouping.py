@@ -25,9 +25,11 @@ from typing import Any, Protocol
 
 import polars as pl
 
+from storage.episodes import Trajectory
 from trainer.advantages import group_advantages, has_signal
-from trainer.dataset import DataReport, Trajectory
+from trainer.dataset import DataReport, TrainingExample
 from trainer.policy_config import TrainConfig
+from trainer.scoring import Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class Sampler(Protocol):
     ) -> list[Sample]: ...
 
 
-class Scorer(Protocol):
+class ReplyScorer(Protocol):
     """Scores generated replies to one context (reward function, scoring webhook or RULER); None = unscored.
 
     `original` is the captured reply the group started from: it keeps its own reward, but a relative judge
@@ -70,7 +72,7 @@ class Group:
     """Attempts at one task with their group-relative advantages (same order as `members`)."""
 
     key: str
-    members: list[Trajectory]
+    members: list[TrainingExample]
     advantages: list[float]
 
     @property
@@ -78,7 +80,7 @@ class Group:
         return [m.reward for m in self.members]
 
 
-def _finalise(key: str, members: list[Trajectory], cfg: TrainConfig, report: DataReport) -> Group | None:
+def _finalise(key: str, members: list[TrainingExample], cfg: TrainConfig, report: DataReport) -> Group | None:
     rewards = [m.reward for m in members]
     if len(members) < cfg.min_group_size:
         report.add("groups_too_small")
@@ -91,7 +93,9 @@ def _finalise(key: str, members: list[Trajectory], cfg: TrainConfig, report: Dat
     return Group(key, members, group_advantages(rewards, scale_by_std=cfg.scale_by_std))
 
 
-def group_by_column(trajectories: Sequence[Trajectory], cfg: TrainConfig, report: DataReport) -> list[Group]:
+def group_by_column(
+    trajectories: Sequence[TrainingExample], cfg: TrainConfig, report: DataReport
+) -> list[Group]:
     """`key` and `prompt` grouping: trajectories sharing group_key, or context_hash."""
     column = "group_key" if cfg.grouping == "key" else "context_hash"
     frame = pl.DataFrame(
@@ -110,7 +114,11 @@ def group_by_column(trajectories: Sequence[Trajectory], cfg: TrainConfig, report
 
 
 async def resample_groups(
-    trajectories: Sequence[Trajectory], cfg: TrainConfig, sampler: Sampler, scorer: Scorer, report: DataReport
+    trajectories: Sequence[TrainingExample],
+    cfg: TrainConfig,
+    sampler: Sampler,
+    scorer: ReplyScorer,
+    report: DataReport,
 ) -> list[Group]:
     """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`.
 
@@ -121,7 +129,7 @@ async def resample_groups(
     started = time.monotonic()
     done = 0
 
-    async def resample(trajectory: Trajectory) -> Group | None:
+    async def resample(trajectory: TrainingExample) -> Group | None:
         nonlocal done
         async with limit:
             samples = await sampler.sample(trajectory.context, trajectory.tools, cfg.group_size - 1)
@@ -181,16 +189,7 @@ def group_stats(groups: Sequence[Group]) -> dict[str, float]:
     }
 
 
-class GroupScorer(Protocol):
-    """The shape of ``trainer.scoring.Scorer``: scores a group of whole trajectories at once."""
-
-    @property
-    def source(self) -> str: ...
-
-    async def score(self, trajectories: Sequence[Any]) -> Any: ...
-
-
-class PolicyScorer:
+class PolicyReplyScorer:
     """Adapts the policy's configured scorer (function, webhook or RULER) to score resampled replies.
 
     Each reply becomes a trajectory `context + [reply]`; a scorer failure leaves the whole batch unscored
@@ -198,17 +197,15 @@ class PolicyScorer:
     original reply along with the new ones and the original's score is discarded: it keeps its own reward.
     """
 
-    def __init__(self, inner: GroupScorer, policy: str) -> None:
+    def __init__(self, inner: Scorer, policy: str) -> None:
         self.inner = inner
         self.policy = policy
 
     async def score(
         self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
     ) -> list[float | None]:
-        from storage.episodes import Trajectory as ScoredTrajectory
-
         trajectories = [
-            ScoredTrajectory(
+            Trajectory(
                 episode_id=f"resample-{i}",
                 messages=[*context, {"role": "assistant", "content": reply}],
                 policy=self.policy,
@@ -218,7 +215,7 @@ class PolicyScorer:
         judged = list(trajectories)
         if self.inner.source == "judge":
             judged.insert(
-                0, ScoredTrajectory(episode_id="original", messages=[*context, original], policy=self.policy)
+                0, Trajectory(episode_id="original", messages=[*context, original], policy=self.policy)
             )
         outcome = await self.inner.score(judged)
         if outcome.scores is None:

@@ -21,12 +21,12 @@ from typing import Any
 
 from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
-from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy, next_version
+from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, get_policy, next_version
 from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
-from trainer.dataset import DataReport, Trajectory, build_trajectory, select_episodes
+from trainer.dataset import DataReport, TrainingExample, build_example, select_episodes
 from trainer.engine_sampling import EngineEndpoint
 from trainer.gate import is_held_out
-from trainer.grouping import Group, Sampler, Scorer, group_by_column, group_stats, resample_groups
+from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
 from trainer.policy_config import PolicyConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
 
@@ -49,7 +49,7 @@ class TrainRequest:
     since: datetime | None = None
     until: datetime | None = None
     #: Scores resampled replies; required for `resample` grouping.
-    scorer: Scorer | None = None
+    scorer: ReplyScorer | None = None
     #: Where resampled replies come from: the serving engine behind this gateway URL (exact behaviour logprobs
     #: of what is served), or None for the trainer's own copy of the adapter (`LocalSampler`).
     sampler: EngineEndpoint | None = None
@@ -66,13 +66,9 @@ class TrainOutcome:
     error: str | None = None
 
 
-def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
-    return data_dir / "adapters" / policy / str(version)
-
-
 async def _load_trajectories(
     db: Database, policy: PolicyInfo, config: PolicyConfig, request: TrainRequest, report: DataReport
-) -> tuple[list[Trajectory], datetime | None, datetime]:
+) -> tuple[list[TrainingExample], datetime | None, datetime]:
     until = request.until or datetime.now(UTC)
     async with db.session() as session:
         since = request.since if request.since is not None else await last_data_cutoff(session, policy.id)
@@ -87,7 +83,7 @@ async def _load_trajectories(
         calls = await episode_calls(session, [e.id for e in episodes])
     trajectories = []
     for episode in episodes:
-        trajectory = build_trajectory(episode, calls.get(episode.id, []), report)
+        trajectory = build_example(episode, calls.get(episode.id, []), report)
         if trajectory is not None:
             trajectories.append(trajectory)
     return trajectories, since, until

@@ -44,7 +44,7 @@ from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, releas
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import last_data_cutoff
-from trainer.gate import EngineSampler, GateResult, evaluate
+from trainer.gate import GateResult, VersionSampler, evaluate
 from trainer.judge_job import judge_policy
 from trainer.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
 from trainer.ruler import JudgeSettings
@@ -66,9 +66,10 @@ class RunnerConfig:
 
     data_dir: Path
     judge: JudgeSettings
-    #: argv of the training child, before `--policy P` (e.g. `python -m gateway train`).
+    #: argv of the training child, before `--policy P --base-model B` (`python -m trainer ...`, see
+    #: trainer.train_command).
     train_command: Sequence[str]
-    #: Environment of the training child (the parent's settings as `KAIZEN_*` variables).
+    #: Environment of the training child: where it finds the secrets it needs (see trainer.train_command).
     child_env: Mapping[str, str]
     #: OpenAI-compatible URL the gate samples both versions through (the gateway's own /v1).
     gate_url: str
@@ -82,6 +83,9 @@ class RunnerConfig:
     #: Age after which calls no policy row owns are deleted (0: kept), and when that runs (None: never).
     retention_calls_days: float = 90.0
     retention_cron: str | None = "30 4 * * *"
+    #: Maps a policy's base model to what the child loads (a local directory, or a Hugging Face id passed
+    #: through); runs in a thread, as it may build an embedded model on first use.
+    base_model_path: Callable[[str], str] = str
 
 
 def _now() -> datetime:
@@ -273,7 +277,11 @@ class JobRunner:
     async def _run_child(
         self, policy: PolicyInfo, owner: str, before: int, announce: Callable[[int], None], log_path: Path
     ) -> tuple[int | None, collections.deque[str], int | None]:
-        argv = [*self.config.train_command, "--policy", policy.name]
+        try:
+            base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
+        except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
+            return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
+        argv = [*self.config.train_command, "--policy", policy.name, "--base-model", base_model]
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         process = await asyncio.create_subprocess_exec(
             *argv,
@@ -363,7 +371,7 @@ class JobRunner:
             scorer = Scorer(
                 policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
             )
-            sampler = EngineSampler(self.config.gate_url, self.config.gate_api_key, config)
+            sampler = VersionSampler(self.config.gate_url, self.config.gate_api_key, config)
             try:
                 result = await evaluate(
                     self.database,

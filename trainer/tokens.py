@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from trainer.batch import TokenizedSample
-from trainer.dataset import DataReport, Trajectory
+from trainer.dataset import DataReport, TrainingExample
 from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] 
     return _template_ids(tokenizer, messages, tools, generation=True)
 
 
-def retokenise(tokenizer: Any, trajectory: Trajectory) -> tuple[list[int], list[int]]:
+def retokenise(tokenizer: Any, trajectory: TrainingExample) -> tuple[list[int], list[int]]:
     """Prompt and reply ids from text: the fallback for traffic captured without token ids."""
     prompt = prompt_ids(tokenizer, trajectory.context, trajectory.tools)
     full = _template_ids(
@@ -53,7 +53,7 @@ def retokenise(tokenizer: Any, trajectory: Trajectory) -> tuple[list[int], list[
 
 def _mark_earlier_turns(
     prompt: list[int],
-    trajectory: Trajectory,
+    trajectory: TrainingExample,
     mask: list[bool],
     behaviour: list[float | None],
     report: DataReport,
@@ -75,7 +75,7 @@ def _mark_earlier_turns(
 
 
 def tokenize(
-    trajectory: Trajectory, advantage: float, tokenizer: Any, cfg: TrainConfig, report: DataReport
+    trajectory: TrainingExample, advantage: float, tokenizer: Any, cfg: TrainConfig, report: DataReport
 ) -> TokenizedSample | None:
     """One training sample, or None (counted) when it is over length under `drop` or has no reply tokens."""
     retokenised = not trajectory.completion_token_ids

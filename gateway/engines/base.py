@@ -53,6 +53,10 @@ class Engine(ABC):
     async def health(self) -> bool:
         """True when the engine answers; never raises."""
 
+    def loaded_adapters(self) -> list[str]:
+        """Names of the adapters loaded right now (the router unloads the idle ones); none by default."""
+        return []
+
     async def load_adapter(self, name: str, path: str) -> None:
         raise NotImplementedError(f"the {self.name} engine does not serve LoRA adapters")
 

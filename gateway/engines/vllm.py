@@ -268,6 +268,9 @@ class VLLMEngine(Engine):
     async def _load(self, name: str, path: str) -> None:
         await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
+    def loaded_adapters(self) -> list[str]:
+        return list(self.adapters)
+
     async def load_adapter(self, name: str, path: str) -> None:
         async with self._adapter_lock:
             if name in self.adapters:

@@ -57,13 +57,13 @@ class InstantScorer:
 async def resample_once(
     url: str, api_key: str, tokenizer: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
-    from trainer.dataset import DataReport, Trajectory
+    from trainer.dataset import DataReport, TrainingExample
     from trainer.engine_sampling import EngineEndpoint
     from trainer.grouping import resample_groups
     from trainer.policy_config import TrainConfig
 
     trajectories = [
-        Trajectory(
+        TrainingExample(
             episode_id=f"e{i}",
             context=[{"role": "user", "content": question}],
             tools=None,
@@ -94,7 +94,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gateway.base_models import resolve_base_model
-    from gateway.demo.runner import GatewayProcess
+    from gateway.serve_process import GatewayProcess
 
     base_path = await asyncio.to_thread(resolve_base_model, "smollm2-135m-instruct", args.models_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_path)

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.demo.runner import GatewayProcess
+from gateway.serve_process import GatewayProcess
 from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
 from tests.support.child_gateway import rss_bytes, sql, upstream_gateway
 from tests.support.postgres import PostgresServer, find_bin_dir, free_port

@@ -19,7 +19,7 @@ import pytest
 from openai import AsyncOpenAI
 from trainer.signing import sign
 
-from gateway.demo.runner import GatewayProcess
+from gateway.serve_process import GatewayProcess
 from tests.support.child_gateway import kill, poll, sql, start, terminate, upstream_gateway
 from tests.support.scripted_upstream import ScriptedUpstream
 

@@ -35,7 +35,7 @@ def runner(database: Database, data_dir: Path) -> JobRunner:
     config = RunnerConfig(
         data_dir=data_dir,
         judge=JudgeSettings(model=""),
-        train_command=[sys.executable, "-m", "gateway", "train"],
+        train_command=[sys.executable, "-m", "trainer", "--data-dir", str(data_dir)],
         child_env={},
         gate_url="http://127.0.0.1:9/v1",
     )
@@ -260,13 +260,42 @@ def test_retention_never_touches_active_pinned_or_rollback_versions(
 
 
 def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
-    from gateway.scheduling import child_env, gate_url
+    from gateway.scheduling import child_env, gate_url, train_command
+    from trainer.train_command import build_parser, inputs_from_arguments
 
-    settings = Settings.load(data_dir=tmp_path, api_keys="k1,k2", host="0.0.0.0", port=8123, scheduler=False)
+    settings = Settings.load(
+        data_dir=tmp_path,
+        api_keys="k1,k2",
+        host="0.0.0.0",
+        port=8123,
+        scheduler=False,
+        judge_model="judge-m",
+        judge_api_key="judge-secret",
+        feedback_secret="hook-secret",
+    )
     env = child_env(settings)
     assert env["KAIZEN_API_KEYS"] == "k1,k2" and env["KAIZEN_SCHEDULER"] == "false"
     assert env["KAIZEN_DATA_DIR"] == str(tmp_path.resolve())
     assert gate_url(settings) == "http://127.0.0.1:8123/v1"
+    # The child is the trainer's own entry point; secrets reach it through the environment, never argv.
+    argv = train_command(settings)
+    assert argv[1:3] == ["-m", "trainer"]
+    assert not {"k1", "judge-secret", "hook-secret", settings.database_url} & set(argv)
+    inputs = inputs_from_arguments(build_parser().parse_args([*argv[3:], "--policy", "p"]), env)
+    assert (inputs.policy, inputs.data_dir, inputs.database_url) == (
+        "p",
+        tmp_path.resolve(),
+        settings.database_url,
+    )
+    assert (inputs.judge.model, inputs.judge.api_key, inputs.webhook_secret) == (
+        "judge-m",
+        "judge-secret",
+        "hook-secret",
+    )
+    assert inputs.engine is not None and (inputs.engine.base_url, inputs.engine.api_key) == (
+        gate_url(settings),
+        "k1",
+    )
 
 
 def test_admin_api_triggers_lists_and_pauses(make_gateway: Callable[..., Any], database_url: str) -> None:

@@ -18,7 +18,7 @@ from tests.conftest import VLLMServer, query
 from tests.integration.test_gate import make_policy, rewarded_traffic, run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS
 from trainer.engine_sampling import EngineEndpoint, EngineSampler
-from trainer.grouping import PolicyScorer, Sample
+from trainer.grouping import PolicyReplyScorer, Sample
 from trainer.job import TrainOutcome, TrainRequest, run_training
 from trainer.rewards import policy_reward_config
 from trainer.scoring import Scorer
@@ -108,7 +108,7 @@ def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_lo
             "engine-resample",
             settings.data_dir,
             str(embedded_model),
-            scorer=PolicyScorer(Scorer(reward_config, judge_settings(settings)), "engine-resample"),
+            scorer=PolicyReplyScorer(Scorer(reward_config, judge_settings(settings)), "engine-resample"),
             sampler=endpoint,
             device="cpu",
         )

@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.demo.runner import GatewayProcess
+from gateway.serve_process import GatewayProcess
 from gateway.settings import async_database_url
 
 

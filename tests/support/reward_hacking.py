@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from storage.episodes import Trajectory as ScoredTrajectory
+from storage.episodes import Trajectory
 from trainer.advantages import group_advantages, has_signal
 from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.dataset import DataReport, Trajectory
+from trainer.dataset import DataReport, TrainingExample
 from trainer.grpo import run_update
 from trainer.model import LocalSampler, load_policy, save_adapter
 from trainer.policy_config import TrainConfig
@@ -100,7 +100,7 @@ def train_until_collapsed(
             for index, (context, group) in enumerate(zip(contexts, groups, strict=True)):
                 rewards = [
                     reward(
-                        ScoredTrajectory(
+                        Trajectory(
                             f"hack-{round_index}-{index}-{j}",
                             [*context, {"role": "assistant", "content": sample.text}],
                         ).as_dict()
@@ -121,7 +121,7 @@ def train_until_collapsed(
                     continue
                 advantages = group_advantages(rewards, scale_by_std=cfg.scale_by_std)
                 for sample, value, advantage in zip(group, rewards, advantages, strict=True):
-                    trajectory = Trajectory(
+                    trajectory = TrainingExample(
                         "hack",
                         context,
                         None,

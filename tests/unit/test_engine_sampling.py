@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
-from storage.episodes import Trajectory as ScoredTrajectory
+from storage.episodes import Trajectory
 from tests.support.postgres import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
 from trainer.dataset import DataReport
-from trainer.engine_sampling import EngineEndpoint, EngineSamplingError, parse_choices
-from trainer.grouping import PolicyScorer, resample_groups
+from trainer.engine_sampling import EngineEndpoint, parse_choices
+from trainer.gateway_requests import EngineSamplingError
+from trainer.grouping import PolicyReplyScorer, resample_groups
 from trainer.policy_config import TrainConfig
 from trainer.scoring import GroupScore, Score
 from trainer.tokens import tokenize
@@ -155,9 +156,9 @@ class RecordingScorer:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.groups: list[list[ScoredTrajectory]] = []
+        self.groups: list[list[Trajectory]] = []
 
-    async def score(self, trajectories: Sequence[ScoredTrajectory]) -> GroupScore:
+    async def score(self, trajectories: Sequence[Trajectory]) -> GroupScore:
         self.groups.append(list(trajectories))
         scores = [
             Score(t.episode_id, float(len(t.messages[-1]["content"] or "")), None) for t in trajectories
@@ -170,7 +171,7 @@ def test_ruler_judges_the_original_with_the_resamples_and_its_score_is_discarded
     cfg = TrainConfig(grouping="resample", group_size=3)
     original = trajectory(0, 0.25, reply={"role": "assistant", "content": "the original answer"})
     [group] = asyncio.run(
-        resample_groups([original], cfg, FixedSampler(), PolicyScorer(judge, "p"), DataReport())
+        resample_groups([original], cfg, FixedSampler(), PolicyReplyScorer(judge, "p"), DataReport())
     )
     [judged] = judge.groups
     assert [t.episode_id for t in judged] == ["original", "resample-0", "resample-1"]
@@ -182,7 +183,7 @@ def test_ruler_judges_the_original_with_the_resamples_and_its_score_is_discarded
 def test_other_scorers_see_only_the_new_replies() -> None:
     function = RecordingScorer("function")
     scores = asyncio.run(
-        PolicyScorer(function, "p").score(
+        PolicyReplyScorer(function, "p").score(
             [{"role": "user", "content": "q"}], ["ab", "abc"], {"role": "assistant", "content": "x"}
         )
     )

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from storage.training import CallRow, EpisodeRow
-from trainer.dataset import DataReport, EarlierTurn, Trajectory, build_trajectory, select_episodes
+from trainer.dataset import DataReport, EarlierTurn, TrainingExample, build_example, select_episodes
 from trainer.grouping import Sample, group_by_column, resample_groups
 from trainer.policy_config import InvalidPolicyConfig, TrainConfig, load_policy_config
 from trainer.tokens import tokenize
@@ -29,7 +29,7 @@ def episode(i: int, reward: float = 1.0, **kw: Any) -> EpisodeRow:
     return EpisodeRow(**{**base, **kw})
 
 
-def trajectory(i: int, reward: float, **kw: Any) -> Trajectory:
+def trajectory(i: int, reward: float, **kw: Any) -> TrainingExample:
     base: dict[str, Any] = {
         "episode_id": f"e{i}",
         "context": [{"role": "user", "content": "q"}],
@@ -40,7 +40,7 @@ def trajectory(i: int, reward: float, **kw: Any) -> Trajectory:
         "completion_token_ids": [7, 8, 9],
         "completion_logprobs": [-0.1, -0.2, -0.3],
     }
-    return Trajectory(**{**base, **kw})
+    return TrainingExample(**{**base, **kw})
 
 
 def test_select_filters_and_caps_newest() -> None:
@@ -85,16 +85,16 @@ def call(position: int, *, status: str = "ok", ids: list[int] | None = None, **k
 
 def test_trajectory_is_last_call_plus_reply_and_bad_episodes_are_counted() -> None:
     report = DataReport()
-    t = build_trajectory(episode(0), [call(0), call(1, ids=[8, 9])], report)
+    t = build_example(episode(0), [call(0), call(1, ids=[8, 9])], report)
     assert t is not None
     assert t.context == [{"role": "user", "content": "turn 1"}]
     assert t.reply == {"role": "assistant", "content": "ok"}
     assert t.completion_token_ids == [8, 9] and t.completion_logprobs == [-1.0, -2.0]
     assert t.earlier == [EarlierTurn([1, 2], [([5, 6], [-1.0, -2.0])])]
-    assert build_trajectory(episode(1), [call(0, status="error")], report) is None
-    assert build_trajectory(episode(2), [], report) is None
+    assert build_example(episode(1), [call(0, status="error")], report) is None
+    assert build_example(episode(2), [], report) is None
     # logprobs that do not align with the ids are treated as unknown
-    t = build_trajectory(episode(3), [call(0, completion_logprobs=[[-1.0]])], report)
+    t = build_example(episode(3), [call(0, completion_logprobs=[[-1.0]])], report)
     assert t is not None and t.completion_logprobs is None
     assert report.as_dict() == {"dropped_no_calls": 1, "dropped_no_reply": 1}
 
