@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI
-from trainer.signing import sign
 
 from gateway.serve_process import GatewayProcess
+from gateway.signing import sign
 from tests.support.child_gateway import kill, poll, sql, start, terminate, upstream_gateway
 from tests.support.scripted_upstream import ScriptedUpstream
 
