@@ -64,16 +64,17 @@ def test_requests_limit_answers_openais_429_and_writes_nothing(
 
 
 def test_sdk_retries_after_a_429_and_succeeds(make_gateway: MakeGateway, tmp_path: Path) -> None:
-    # Two requests per 2 s window: a refused call is admitted again within a second.
-    gw = make_gateway(f"sqlite:///{tmp_path}/sdk.db", rate_limit_rpm=2, rate_limit_window_s=2.0)
+    # Two requests per 4 s window: a refused call is admitted again within two seconds.
+    gw = make_gateway(f"sqlite:///{tmp_path}/sdk.db", rate_limit_rpm=2, rate_limit_window_s=4.0)
     statuses: list[int] = []
     http = httpx.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sdk-key", max_retries=3, http_client=http)
     replies = []
-    while 429 not in statuses:  # bounded: the third call within the second after two others is refused
+    while 429 not in statuses:  # bounded: a third call within two seconds of two others is refused
         assert len(replies) < 20, "no call was ever refused"
         replies.append(client.chat.completions.create(model="scripted-1", messages=BODY["messages"]))
-    assert statuses[-1] == 200  # the refused call was retried and served
+    # The refused call was retried once, after exactly `retry-after-ms`, and served.
+    assert statuses[-2:] == [429, 200]
     assert all(reply.choices[0].message.content for reply in replies)
     raw = client.chat.completions.with_raw_response.create(model="scripted-1", messages=BODY["messages"])
     assert raw.headers["x-ratelimit-limit-requests"] == "2"
