@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 from litestar.enums import ScopeType
@@ -65,13 +65,14 @@ def caller_identity(authorization: str | None, client_host: str | None) -> str:
 class Bucket:
     """A continuously refilling token bucket. Its level may go negative (tokens are charged after the call)."""
 
-    __slots__ = ("capacity", "level", "rate", "stamp")
+    __slots__ = ("capacity", "level", "limit_header", "rate", "stamp")
 
     def __init__(self, capacity: int, window_s: float, now: float) -> None:
         self.capacity = capacity
         self.rate = capacity / window_s
         self.level = float(capacity)
         self.stamp = now
+        self.limit_header = str(capacity).encode()
 
     def refill(self, now: float) -> None:
         if now > self.stamp:
@@ -113,18 +114,25 @@ class Caller:
                     return False
         return True
 
-    def headers(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        for kind, bucket in (("requests", self.requests), ("tokens", self.tokens)):
-            if bucket is not None:
-                out.append((f"x-ratelimit-limit-{kind}", str(bucket.capacity)))
-                out.append((f"x-ratelimit-remaining-{kind}", str(bucket.remaining)))
-                out.append((f"x-ratelimit-reset-{kind}", duration(bucket.reset_s())))
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """OpenAI's `x-ratelimit-*` headers for the limits that are set (ASGI header pairs)."""
+        out: list[tuple[bytes, bytes]] = []
+        if (bucket := self.requests) is not None:
+            out += (
+                (b"x-ratelimit-limit-requests", bucket.limit_header),
+                (b"x-ratelimit-remaining-requests", b"%d" % bucket.remaining),
+                (b"x-ratelimit-reset-requests", duration(bucket.reset_s()).encode()),
+            )
+        if (bucket := self.tokens) is not None:
+            out += (
+                (b"x-ratelimit-limit-tokens", bucket.limit_header),
+                (b"x-ratelimit-remaining-tokens", b"%d" % bucket.remaining),
+                (b"x-ratelimit-reset-tokens", duration(bucket.reset_s()).encode()),
+            )
         return out
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """The outcome of `RateLimiter.admit`: `refused` names the exhausted limit, None when admitted."""
 
     caller: Caller
@@ -167,19 +175,19 @@ class RateLimiter:
         if caller is None:
             caller = self._add(identity, now)
         requests, tokens = caller.requests, caller.tokens
-        waits: list[tuple[float, LimitKind]] = []
+        wait: float = 0.0
+        refused: LimitKind | None = None
         if requests is not None:
             requests.refill(now)
             if not requests.available:
-                waits.append((requests.wait_s(), "requests"))
+                wait, refused = requests.wait_s(), "requests"
         if tokens is not None and spends_tokens:
             tokens.refill(now)
-            if not tokens.available:
-                waits.append((tokens.wait_s(), "tokens"))
-        if waits:
             # Refused for the limit that frees up last, so a client waiting `Retry-After` is then admitted.
-            wait, kind = max(waits)
-            return Verdict(caller, kind, wait)
+            if not tokens.available and tokens.wait_s() >= wait:
+                wait, refused = tokens.wait_s(), "tokens"
+        if refused is not None:
+            return Verdict(caller, refused, wait)
         if requests is not None:
             requests.level -= 1
         return Verdict(caller)
@@ -213,7 +221,7 @@ def _window(window_s: float) -> str:
     return "minute" if window_s == 60 else f"{duration(window_s)} window"
 
 
-def refusal(identity: str, verdict: Verdict, limiter: RateLimiter) -> tuple[bytes, list[tuple[str, str]]]:
+def refusal(identity: str, verdict: Verdict, limiter: RateLimiter) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """The 429 body (OpenAI's shape: type `requests` or `tokens`, code `rate_limit_exceeded`) and its headers."""
     assert verdict.refused is not None
     limits = limiter.limits_of(identity)
@@ -225,8 +233,8 @@ def refusal(identity: str, verdict: Verdict, limiter: RateLimiter) -> tuple[byte
     )
     body = _encode(ErrorResponse(ErrorBody(message, verdict.refused, None, "rate_limit_exceeded")))
     headers = [
-        ("retry-after", str(max(1, math.ceil(wait)))),
-        ("retry-after-ms", str(max(1, math.ceil(wait * 1000)))),
+        (b"retry-after", b"%d" % max(1, math.ceil(wait))),
+        (b"retry-after-ms", b"%d" % max(1, math.ceil(wait * 1000))),
         *verdict.caller.headers(),
     ]
     return body, headers
@@ -268,7 +276,7 @@ def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
                         "headers": [
                             (b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode()),
-                            *((k.encode(), v.encode()) for k, v in headers),
+                            *headers,
                         ],
                     }
                 )
@@ -276,7 +284,7 @@ def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
                 return
             if spends_tokens and caller.tokens is not None:
                 scope["state"][METER_STATE_KEY] = lambda used: limiter.charge(caller, used)
-            extra = [(k.encode(), v.encode()) for k, v in caller.headers()]
+            extra = caller.headers()
 
             async def send_with_headers(message: Message) -> None:
                 if message["type"] == "http.response.start":

@@ -90,7 +90,7 @@ def test_headers_report_limit_remaining_and_reset() -> None:
     rl = limiter(requests=4, tokens=1000, clock=clock)
     verdict = rl.admit("a", spends_tokens=True)
     rl.charge(verdict.caller, 250)
-    headers = dict(verdict.caller.headers())
+    headers = {name.decode(): value.decode() for name, value in verdict.caller.headers()}
     assert headers == {
         "x-ratelimit-limit-requests": "4",
         "x-ratelimit-remaining-requests": "3",
@@ -100,9 +100,9 @@ def test_headers_report_limit_remaining_and_reset() -> None:
         "x-ratelimit-reset-tokens": "15s",
     }
     assert dict(limiter(requests=4, clock=clock).admit("b", spends_tokens=True).caller.headers()).keys() == {
-        "x-ratelimit-limit-requests",
-        "x-ratelimit-remaining-requests",
-        "x-ratelimit-reset-requests",
+        b"x-ratelimit-limit-requests",
+        b"x-ratelimit-remaining-requests",
+        b"x-ratelimit-reset-requests",
     }
 
 
