@@ -32,6 +32,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.feedback import FeedbackService
 from gateway.protocol import ErrorBody, ErrorResponse
+from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
@@ -284,11 +285,14 @@ def create_app(services: Services) -> Litestar:
             await services.engine.close()
             await services.database.dispose()
 
-    # Guards cost a handler copy per request: attach the key check only when keys are configured.
+    # Guards cost a handler copy per request: attach the key check only when keys are configured. Likewise the
+    # rate limiter (admin and feedback routes are outside /v1's router: never limited).
+    limiter = limiter_from_settings(settings)
     v1 = Router(
         path="/v1",
         route_handlers=[ChatController, ModelsController, EpisodesController],
         guards=[require_api_key] if settings.api_keys else [],
+        middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
     return Litestar(
         route_handlers=[

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,8 @@ class CallContext:
     hashes: ConversationHashes
     capture: bool
     started: float
+    # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
+    charge_tokens: Callable[[int], None] | None = None
 
 
 def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -253,6 +255,9 @@ class ChatService:
         ttft: float | None,
     ) -> None:
         stitch_keys: list[str] = []
+        if ctx.charge_tokens is not None and captured is not None and captured.usage:
+            usage = captured.usage
+            ctx.charge_tokens(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
             self.stitch.remember(stitch_keys, ctx.episode_id)

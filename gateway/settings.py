@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -33,6 +33,13 @@ def async_database_url(url: str) -> str:
     if not sep:
         raise ValueError(f"not a database URL: {url!r}")
     return f"{_SYNC_TO_ASYNC_DRIVERS.get(scheme, scheme)}://{rest}"
+
+
+class KeyRateLimit(BaseModel):
+    """One caller's own limits in `KAIZEN_RATE_LIMIT_KEYS`; an absent field keeps the default, 0 lifts it."""
+
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
 
 
 class Settings(BaseSettings):
@@ -66,6 +73,26 @@ class Settings(BaseSettings):
         4 * 1024 * 1024, ge=1024, description="Largest accepted request body, in bytes."
     )
     max_n: int = Field(16, ge=1, description="Largest accepted `n` (choices per request).")
+    rate_limit_rpm: int = Field(
+        0,
+        ge=0,
+        description="Requests each caller (API key, or client address without one) may make to /v1 per "
+        "rate-limit window, counted by each replica on its own; 0: unlimited.",
+    )
+    rate_limit_tpm: int = Field(
+        0,
+        ge=0,
+        description="Tokens (prompt plus completion, from the engine's usage) each caller's chat calls may use "
+        "per rate-limit window, per replica; calls are refused once it is spent. 0: unlimited.",
+    )
+    rate_limit_window_s: float = Field(
+        60.0, gt=0, description="The rate-limit window: buckets refill at limit/window per second."
+    )
+    rate_limit_keys: dict[str, KeyRateLimit] = Field(
+        default_factory=dict,
+        description='Per-caller limits, JSON: `{"key-<first 16 hex of the key\'s SHA-256>": {"rpm": 0, '
+        '"tpm": 100000}}`; 0 lifts a limit (e.g. for the evaluation gate\'s key).',
+    )
 
     # --- engine
     engine: Literal["upstream", "vllm"] = Field(

@@ -14,16 +14,18 @@ from litestar.types import Receive
 
 from gateway.chat import ChatService
 from gateway.errors import APIError
+from gateway.rate_limits import SPENDS_TOKENS, token_meter
 
 
 class ChatController(Controller):
     path = "/chat/completions"
 
-    @post("", status_code=200)
+    @post("", status_code=200, opt={SPENDS_TOKENS: True})
     async def create(
         self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers)
+        ctx.charge_tokens = token_meter(request.scope)
         # x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
         # client's own x-request-id is stored beside it and echoed as x-client-request-id.
         # x-kaizen-model: what actually served the call (`policy@N` for a policy), so clients can tell versions apart.
