@@ -13,6 +13,7 @@ re-tokenises it) and the per-token logprobs of a changed reply.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import importlib
@@ -125,6 +126,52 @@ _CHECKS: dict[str, tuple[Callable[[str], bool], Callable[[str], str]]] = {
 }
 
 
+# Cheap tests (substring checks in C, one anchored character-class scan) that a detector could match at all:
+# most texts pass none of them, and the full alternation, which tries every branch at every position, is
+# compiled and run only for the detectors that could.
+_SECRET_MARKS = (
+    "PRIVATE KEY",
+    "sk-",
+    "rk-",
+    "_pat_",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "AKIA",
+    "ASIA",
+    "xox",
+)
+_NUMBERISH = re.compile(r"\d[\d .()-]{5,}\d")
+
+
+def _candidates(wanted: frozenset[str], text: str) -> frozenset[str]:
+    if len(text) < 6:  # shorter than the shortest match (`a@b.io`): roles, ids, finish reasons
+        return frozenset()
+    found: list[str] = []
+    if "secret" in wanted and ("earer" in text or any(mark in text for mark in _SECRET_MARKS)):
+        found.append("secret")
+    if "email" in wanted and "@" in text:
+        found.append("email")
+    numberish = _NUMBERISH.search(text) is not None
+    if numberish:
+        found.extend(kind for kind in ("iban", "card", "phone") if kind in wanted)
+    if "ip" in wanted and (numberish or ":" in text):
+        found.append("ip")  # IPv4 is a numberish run; IPv6 has colons
+    return frozenset(found)
+
+
+@functools.cache
+def _compiled(kinds: frozenset[str]) -> re.Pattern[str] | None:
+    parts = [f"(?P<{kind}>{pattern})" for kind, pattern in _PATTERNS if _DETECTOR_OF[kind] in kinds]
+    return re.compile("|".join(parts)) if parts else None
+
+
+def _pattern_for(wanted: frozenset[str], text: str) -> re.Pattern[str] | None:
+    return _compiled(_candidates(wanted, text)) if wanted else None
+
+
 def load_redaction_key(configured: str, data_dir: Path) -> bytes:
     """The key of `hash` mode: the configured one, else one generated once into the data directory.
 
@@ -159,9 +206,9 @@ class Redactor:
         self.policy = policy
         self.hash = config.mode == "hash"
         self.key = key
-        wanted = set(config.detectors)
-        parts = [f"(?P<{kind}>{pattern})" for kind, pattern in _PATTERNS if _DETECTOR_OF[kind] in wanted]
-        self._pattern = re.compile("|".join(parts)) if parts else None
+        self._wanted = frozenset(
+            _DETECTOR_OF[kind] for kind, _ in _PATTERNS if _DETECTOR_OF[kind] in config.detectors
+        )
         self._hook: Callable[[str], str] | None = None
         self._hook_broken = False
         if config.hook:
@@ -193,8 +240,9 @@ class Redactor:
     def text(self, text: str) -> str:
         if self._hook_broken:
             return "[REDACTED]"
-        if self._pattern is not None:
-            text = self._pattern.sub(self._replace, text)
+        pattern = _pattern_for(self._wanted, text)
+        if pattern is not None:
+            text = pattern.sub(self._replace, text)
         if self._hook is not None:
             try:
                 text = self._hook(text)
