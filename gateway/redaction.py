@@ -182,14 +182,17 @@ def load_redaction_key(configured: str, data_dir: Path) -> bytes:
     path = data_dir / "redaction.key"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        draft = path.with_name(f".redaction.key.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_hex(32))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another replica won the race: use its key
-        else:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_hex(32))
+            os.link(draft, path)  # atomic, and fails if another replica got there first: then its key is used
             log.info("generated a redaction key in %s", path)
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
     return path.read_text().strip().encode()
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from gateway.redaction import Redactor, iban_valid, luhn_valid, redact_call
+from gateway.redaction import Redactor, iban_valid, load_redaction_key, luhn_valid, redact_call
 from storage.records import CallRecord
 from trainer.policy_config import InvalidPolicyConfig, PrivacyConfig, load_policy_config
 
@@ -138,3 +140,11 @@ def test_record_drops_the_token_ids_of_redacted_text() -> None:
     assert stored.user == stored.group_key == "[EMAIL]"
     assert stored.episode_metadata == {"contact": "[EMAIL]", "n": 3}
     assert record.request["messages"][0]["content"] == "mail a@b.io"  # what the app got is untouched
+
+
+def test_generated_key_is_kept_and_a_configured_one_wins(tmp_path: Path) -> None:
+    first = load_redaction_key("", tmp_path)
+    assert len(first) == 64 and load_redaction_key("", tmp_path) == first
+    assert (tmp_path / "redaction.key").stat().st_mode & 0o077 == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["redaction.key"]
+    assert load_redaction_key("configured", tmp_path) == b"configured"
