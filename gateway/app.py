@@ -30,9 +30,11 @@ from gateway.controllers.policies import PoliciesController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
+from gateway.exposure import cors_config, json_bodies_only
 from gateway.feedback import FeedbackService
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
+from gateway.redaction import load_redaction_key
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
@@ -118,6 +120,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         database=database,
         policy_refresh_s=settings.policy_refresh_s,
         idle_unload_s=settings.adapter_idle_unload_s,
+        redaction_key=lambda: load_redaction_key(settings.redaction_key, settings.data_dir),
     )
     sink = CaptureSink(
         database,
@@ -147,6 +150,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         tolerance_s=settings.feedback_tolerance_s,
         grace_s=settings.feedback_grace_s,
         link_interval_s=settings.feedback_link_interval_s,
+        redactor=router.redactor,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
     return Services(settings, database, engine, router, sink, chat, feedback, jobs)
@@ -327,6 +331,8 @@ def create_app(services: Services) -> Litestar:
             Exception: _internal_error,
         },
         lifespan=[lifespan],
+        middleware=[json_bodies_only],
+        cors_config=cors_config(settings),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
         debug=False,

@@ -22,6 +22,7 @@ from gateway.episodes import ConversationHashes, StitchCache, assign_episode, ne
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import ChatCompletionRequest
+from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from storage.calls import recent_stitch_keys
 from storage.database import Database
@@ -266,40 +267,42 @@ class ChatService:
             return
         request = ctx.request
         params = {k: v for k, v in ctx.body.items() if k not in _STORED_PARAMS}
-        self.sink.submit(
-            CallRecord(
-                id=ctx.call_id,
-                client_request_id=ctx.client_request_id,
-                episode_id=ctx.episode_id,
-                episode_resolved=ctx.episode_resolved,
-                stitch_lookup=ctx.hashes.lookup,
-                stitch_keys=stitch_keys,
-                policy=ctx.route.policy,
-                model=request.model,
-                adapter_version=ctx.route.adapter_version,
-                engine_model=ctx.route.engine_model,
-                stream=bool(request.stream),
-                request={
-                    "messages": ctx.body["messages"],
-                    "tools": ctx.body.get("tools"),
-                    "tool_choice": ctx.body.get("tool_choice"),
-                    "params": params,
-                },
-                response=captured.response if captured else None,
-                prompt_token_ids=captured.prompt_token_ids if captured else None,
-                completion_token_ids=captured.completion_token_ids if captured else None,
-                completion_logprobs=captured.completion_logprobs if captured else None,
-                usage=captured.usage if captured else None,
-                latency_ms=(time.perf_counter() - ctx.started) * 1000,
-                ttft_ms=ttft * 1000 if ttft is not None else None,
-                status=status,
-                error={"status": error.status_code, "message": error.message, "code": error.code}
-                if error
-                else None,
-                context_hash=ctx.hashes.context_hash,
-                group_key=(request.metadata or {}).get("group_key"),
-                user=request.user,
-                episode_metadata=dict(request.metadata or {}),
-                created_at=time.time(),
-            )
+        record = CallRecord(
+            id=ctx.call_id,
+            client_request_id=ctx.client_request_id,
+            episode_id=ctx.episode_id,
+            episode_resolved=ctx.episode_resolved,
+            stitch_lookup=ctx.hashes.lookup,
+            stitch_keys=stitch_keys,
+            policy=ctx.route.policy,
+            model=request.model,
+            adapter_version=ctx.route.adapter_version,
+            engine_model=ctx.route.engine_model,
+            stream=bool(request.stream),
+            request={
+                "messages": ctx.body["messages"],
+                "tools": ctx.body.get("tools"),
+                "tool_choice": ctx.body.get("tool_choice"),
+                "params": params,
+            },
+            response=captured.response if captured else None,
+            prompt_token_ids=captured.prompt_token_ids if captured else None,
+            completion_token_ids=captured.completion_token_ids if captured else None,
+            completion_logprobs=captured.completion_logprobs if captured else None,
+            usage=captured.usage if captured else None,
+            latency_ms=(time.perf_counter() - ctx.started) * 1000,
+            ttft_ms=ttft * 1000 if ttft is not None else None,
+            status=status,
+            error={"status": error.status_code, "message": error.message, "code": error.code}
+            if error
+            else None,
+            context_hash=ctx.hashes.context_hash,
+            group_key=(request.metadata or {}).get("group_key"),
+            user=request.user,
+            episode_metadata=dict(request.metadata or {}),
+            created_at=time.time(),
         )
+        redactor = self.router.redactor(ctx.route.policy)
+        if redactor is not None:  # before the capture log: nothing unredacted reaches the disk
+            record = redact_call(record, redactor)
+        self.sink.submit(record)

@@ -80,11 +80,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import build_services, create_app
+    from gateway.exposure import open_exposure
     from gateway.http_protocol import OpenAIHttpToolsProtocol
     from storage.schema import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
+    refusal = open_exposure(settings)
+    if refusal is not None:
+        log.error("%s", refusal)
+        return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("applying database migrations (%s)", settings.database_url.split("@")[-1])
     asyncio.run(upgrade_database(settings.database_url))

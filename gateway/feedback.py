@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
@@ -33,6 +33,7 @@ from gateway.auth import KeyRing
 from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
+from gateway.redaction import Redactor
 from gateway.signing import Signature, SignatureError, verify
 from storage.calls import find_call
 from storage.database import Database
@@ -161,6 +162,7 @@ class FeedbackService:
         tolerance_s: float,
         grace_s: float,
         link_interval_s: float,
+        redactor: Callable[[str | None], Redactor | None] = lambda _: None,
     ) -> None:
         self.database = database
         self.recent = recent
@@ -169,6 +171,9 @@ class FeedbackService:
         self.tolerance_s = tolerance_s
         self.grace_s = grace_s
         self.link_interval_s = link_interval_s
+        self.redactor = (
+            redactor  # the policy's, as the capture path uses it: comments are stored redacted too
+        )
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ authentication
@@ -234,6 +239,11 @@ class FeedbackService:
             except InvalidPolicyConfig as exc:
                 raise APIError(str(exc), status_code=500, code="invalid_policy_config") from exc
             value, label = to_number(item.value, config, prefix + "value")
+            comment, metadata = item.comment, item.metadata
+            redactor = self.redactor(target.policy)
+            if redactor is not None:
+                comment = redactor.text(comment) if comment else comment
+                metadata = redactor.value(metadata)
             prepared.append(
                 NewReward(
                     source="feedback",
@@ -242,8 +252,8 @@ class FeedbackService:
                     episode_id=target.episode_id,
                     name=item.name,
                     label=label,
-                    comment=item.comment,
-                    metadata=item.metadata,
+                    comment=comment,
+                    metadata=metadata,
                     idempotency_key=item.idempotency_key,
                     status=target.status,
                 )

@@ -3,7 +3,9 @@
 `model="support-bot"` goes to the policy's active version, `model="support-bot@7"` pins version 7, and the
 engine's own models (the base model) stay addressable. The request path only reads in-memory state; a
 background task refreshes it from the engine and the policies table, loads active versions into the engine as
-`policy@N` (a new version is always a new name) and unloads versions that are neither active nor in use.
+`policy@N` (a new version is always a new name) and unloads versions that are neither active nor in use. The
+same refresh keeps each policy's redactor (its `privacy` section) in memory for the capture path, whatever the
+engine.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
 
 from gateway.engines.base import Engine
 from gateway.errors import NotFound
+from gateway.redaction import Redactor
 from storage.database import Database
 from storage.policies import list_adapters, list_policies
+from trainer.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +63,15 @@ class ModelRouter:
         database: Database | None = None,
         policy_refresh_s: float = 2.0,
         idle_unload_s: float = 300.0,
+        redaction_key: Callable[[], bytes] | None = None,
     ) -> None:
         self.engine = engine
         self.refresh_s = refresh_s
         self.database = database if engine.capabilities.adapters else None
+        self.config_database = database
+        self.redaction_key = redaction_key
+        # policy -> (its stored `privacy` section, the redactor built from it); absent: mode `off`
+        self.redactors: dict[str, tuple[Any, Redactor]] = {}
         self.policy_refresh_s = policy_refresh_s
         self.idle_unload_s = idle_unload_s
         self.engine_models: set[str] = set()
@@ -98,6 +110,11 @@ class ModelRouter:
             code="model_not_found",
         )
 
+    def redactor(self, policy: str | None) -> Redactor | None:
+        """The redactor for calls stored under `policy`, or None when they are stored verbatim."""
+        entry = self.redactors.get(policy) if policy is not None else None
+        return entry[1] if entry is not None else None
+
     @staticmethod
     def _adapter_route(policy: str, version: int, state: PolicyState) -> Route:
         return Route(adapter_name(policy, version), policy, version, state.versions[version])
@@ -133,16 +150,22 @@ class ModelRouter:
             log.warning("could not list the engine's models: %s", exc)
 
     async def refresh_policies(self) -> None:
-        if self.database is None:
+        if self.config_database is None:
             return
         try:
-            async with self.database.session() as session:
+            async with self.config_database.session() as session:
                 fresh: dict[str, PolicyState] = {}
+                privacy: dict[str, Any] = {}
                 for policy in await list_policies(session):
-                    versions = {a.version: a.path for a in await list_adapters(session, policy.id)}
-                    fresh[policy.name] = PolicyState(policy.active_version, versions)
+                    privacy[policy.name] = policy.config.get("privacy")
+                    if self.database is not None:
+                        versions = {a.version: a.path for a in await list_adapters(session, policy.id)}
+                        fresh[policy.name] = PolicyState(policy.active_version, versions)
         except Exception as exc:
             log.warning("could not read policies: %s", exc)
+            return
+        self._refresh_redactors(privacy)
+        if self.database is None:
             return
         for name, state in fresh.items():
             old = self.policies.get(name)
@@ -161,6 +184,35 @@ class ModelRouter:
                         fresh[name].active_version = self.policies[name].active_version
         self.policies = fresh
         await self._unload_idle()
+
+    def _refresh_redactors(self, sections: dict[str, Any]) -> None:
+        """Rebuild the redactors of policies whose `privacy` section changed; keep the rest."""
+        redactors: dict[str, tuple[Any, Redactor]] = {}
+        for name, section in sections.items():
+            old = self.redactors.get(name)
+            if old is not None and old[0] == section:
+                redactors[name] = old
+                continue
+            try:
+                config = PrivacyConfig.model_validate(section or {})
+            except ValidationError as exc:
+                log.error("policy %s: invalid privacy section, keeping the previous one: %s", name, exc)
+                if old is not None:
+                    redactors[name] = old
+                continue
+            if config.mode == "off":
+                continue
+            key = b""
+            if config.mode == "hash" and self.redaction_key is not None:
+                try:
+                    key = self.redaction_key()
+                except OSError as exc:
+                    # No key, no hash: masking still keeps the values out of storage.
+                    log.error("policy %s: no redaction key (%s); masking instead of hashing", name, exc)
+                    config = config.model_copy(update={"mode": "mask"})
+            redactors[name] = (section, Redactor(config, key, policy=name))
+            log.info("policy %s: calls are stored with redaction (%s)", name, config.mode)
+        self.redactors = redactors
 
     async def _unload_idle(self) -> None:
         active = {

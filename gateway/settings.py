@@ -268,7 +268,24 @@ class Settings(BaseSettings):
         "Unsupported on CPU (logged; serving goes on).",
     )
 
-    @field_validator("api_keys", mode="before")
+    # --- exposure and privacy
+    allow_open: bool = Field(
+        False,
+        description="Serve on a non-loopback KAIZEN_HOST without KAIZEN_API_KEYS (anyone who can reach the port "
+        "can then call the model and read episodes); without it such a start is refused.",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated browser origins allowed to call the API cross-origin (CORS); empty: CORS "
+        "off, browsers refuse cross-origin reads.",
+    )
+    redaction_key: str = Field(
+        "",
+        description="HMAC key of the `hash` redaction mode (policy `privacy`); empty: one is generated once "
+        "into `<data_dir>/redaction.key`.",
+    )
+
+    @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):

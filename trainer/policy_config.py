@@ -1,7 +1,8 @@
 """A policy's configuration: one typed `PolicyConfig`, stored as the JSON object `policies.config`.
 
 Sections: `rewards` (how feedback becomes a reward, how unrewarded trajectories are scored), `train` (one GRPO
-run), `schedule` (when jobs run) and `gate` (how a candidate is evaluated). Every key has a default, so `{}` is a
+run), `schedule` (when jobs run), `gate` (how a candidate is evaluated) and `privacy` (what is redacted before a
+call is stored). Every key has a default, so `{}` is a
 complete configuration; unknown keys and wrong values are refused, all of them at once, by `load_policy_config`
 raising `InvalidPolicyConfig`.
 
@@ -22,6 +23,7 @@ prune old calls and unused versions daily.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -348,6 +350,43 @@ class GateConfig(_Section):
         return CollapseBounds(**self.collapse_bounds)
 
 
+# --- privacy
+
+Detector = Literal["email", "phone", "card", "iban", "ip", "secret"]
+ALL_DETECTORS: tuple[Detector, ...] = ("email", "phone", "card", "iban", "ip", "secret")
+_HOOK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class PrivacyConfig(_Section):
+    """What is redacted from a call before it is stored (and so before it is exported, judged or trained on).
+
+    `off` (the default) stores calls verbatim, as before this section existed: redaction changes training data
+    and drops token ids, so it is a decision for whoever owns the policy, not something to switch on silently.
+    """
+
+    mode: Literal["off", "mask", "hash"] = Field(
+        "off",
+        description="`off`: store verbatim; `mask`: `[EMAIL]`; `hash`: `[EMAIL:1a2b3c4d]`, a keyed hash, so "
+        "one value always gives one token (`KAIZEN_REDACTION_KEY`).",
+    )
+    detectors: list[Detector] = Field(
+        default_factory=lambda: list(ALL_DETECTORS),
+        description="Which built-in detectors run: `email`, `phone`, `card` (Luhn-checked), `iban` (mod-97 "
+        "checked), `ip` (v4 and v6), `secret` (API keys, bearer tokens, PEM private keys).",
+    )
+    hook: str | None = Field(
+        None,
+        description="`package.module:function` taking and returning text, run after the built-in detectors.",
+    )
+
+    @field_validator("hook")
+    @classmethod
+    def _hook_path(cls, value: str | None) -> str | None:
+        if value is not None and not _HOOK.match(value):
+            raise ValueError("must be `package.module:function`")
+        return value
+
+
 # --- the whole configuration
 
 
@@ -358,6 +397,7 @@ class PolicyConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
 
 
 @dataclass(frozen=True)

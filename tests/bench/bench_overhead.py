@@ -8,6 +8,9 @@ same percentile. ``--self-test`` puts a second scripted upstream where the gatew
 checks the harness itself: the added latency should be about zero.
 
     python -m tests.bench.bench_overhead [--self-test] [--out tests/bench/results/overhead.json]
+
+``--privacy mask`` (or ``hash``) stores the model as a policy whose `privacy` section redacts calls, to measure
+what redaction adds (compare with a run without it; ``--prompt`` sets what is scanned).
 """
 
 from __future__ import annotations
@@ -304,6 +307,26 @@ def start_servers(
     return direct, gateway, started
 
 
+async def enable_privacy(args: argparse.Namespace, data_dir: Path, processes: Processes) -> None:
+    """Make `args.model` a policy with redaction on, and wait until the gateway says it applies it."""
+    from gateway.settings import async_database_url
+    from storage.database import Database
+    from storage.policies import create_policy
+
+    database = Database(async_database_url(f"sqlite:///{data_dir}/bench.db"))
+    async with database.session() as session:
+        await create_policy(session, args.model, "base", {"privacy": {"mode": args.privacy}})
+        await session.commit()
+    await database.dispose()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while "calls are stored with redaction" not in processes.log_tail("gateway", lines=200):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                "the gateway did not pick up the privacy policy:\n" + processes.log_tail("gateway")
+            )
+        await asyncio.sleep(0.1)
+
+
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kaizen-bench-") as tmp:
         processes = Processes(Path(tmp))
@@ -315,6 +338,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
                 for target, process in zip((direct, gateway), started, strict=True):
                     await wait_healthy(session, target, process, processes)
+                if args.privacy != "off" and not args.self_test:
+                    await enable_privacy(args, Path(tmp), processes)
                 scenarios = [
                     await run_scenario(session, direct, gateway, args, stream=stream, concurrency=concurrency)
                     for concurrency in args.concurrency
@@ -362,6 +387,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a second scripted upstream stands in for the gateway (added latency ~0)",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser.add_argument(
+        "--privacy",
+        choices=["off", "mask", "hash"],
+        default="off",
+        help="redaction mode of the model's policy",
+    )
     parser.add_argument("--model", default="scripted-1")
     parser.add_argument("--prompt", default="hello")
     parser.add_argument("--api-key", default="bench", help="sent as a bearer token to both sides")

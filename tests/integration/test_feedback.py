@@ -23,6 +23,8 @@ from tests.support.polling import wait_until
 from tests.support.postgres import PostgresServer
 
 MakeGateway = Callable[..., GatewayServer]
+# The gateway refuses bodies not declared JSON (see gateway/exposure.py).
+JSON = {"content-type": "application/json"}
 
 
 def chat(gw: GatewayServer, text: str, **headers: str) -> tuple[str, str]:
@@ -34,7 +36,9 @@ def chat(gw: GatewayServer, text: str, **headers: str) -> tuple[str, str]:
 
 
 def feedback(gw: GatewayServer, body: Any, **headers: str) -> httpx.Response:
-    return httpx.post(gw.url + "/v1/feedback", content=json.dumps(body), headers=headers, timeout=10)
+    return httpx.post(
+        gw.url + "/v1/feedback", content=json.dumps(body), headers={**JSON, **headers}, timeout=10
+    )
 
 
 def rewards(url: str) -> list[dict[str, Any]]:
@@ -258,7 +262,7 @@ def test_bad_values_are_rejected_and_write_nothing(
     add_policy(url, "scripted-1", {"rewards": {"feedback": {"min_value": 0, "max_value": 10}}})
     request_id, _ = chat(gw, "x", **{"x-request-id": "r1"})
     gw.flush()
-    response = httpx.post(gw.url + "/v1/feedback", content=body, timeout=10)
+    response = httpx.post(gw.url + "/v1/feedback", content=body, headers=JSON, timeout=10)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
@@ -302,7 +306,7 @@ def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> Non
 
     def post(raw: bytes, signature: str | None) -> httpx.Response:
         headers = {"x-kaizen-signature": signature} if signature is not None else {}
-        return httpx.post(gw.url + "/v1/feedback", content=raw, headers=headers, timeout=10)
+        return httpx.post(gw.url + "/v1/feedback", content=raw, headers={**JSON, **headers}, timeout=10)
 
     raw = json.dumps({"request_id": request_id, "value": 1}).encode()
     assert post(raw, sign("s3cret", raw)).status_code == 200  # no API key needed: the signature is the auth
@@ -324,7 +328,10 @@ def test_webhook_signatures(make_gateway: MakeGateway, database_url: str) -> Non
     again = post(other, replayed)
     assert again.status_code == 401 and again.json()["error"]["code"] == "replayed_signature"
     key_only = httpx.post(
-        gw.url + "/v1/feedback", content=raw, headers={"authorization": "Bearer client-key"}, timeout=10
+        gw.url + "/v1/feedback",
+        content=raw,
+        headers={**JSON, "authorization": "Bearer client-key"},
+        timeout=10,
     )
     assert key_only.status_code == 401  # with a secret configured, the signature is required
     assert [r["value"] for r in rewards(database_url)] == [1.0, 0.0]
@@ -339,7 +346,9 @@ def test_a_signed_request_is_applied_once_however_its_header_is_spelled(
     t, mac = header.removeprefix("t=").split(",v1=")
 
     def post(signature: str) -> httpx.Response:
-        return httpx.post(gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": signature})
+        return httpx.post(
+            gw.url + "/v1/feedback", content=raw, headers={**JSON, "x-kaizen-signature": signature}
+        )
 
     assert post(header).status_code == 200
     for variant in (
@@ -364,8 +373,8 @@ def test_replicas_share_the_replay_guard(make_gateway: MakeGateway, postgres: Po
     second = make_gateway(url, feedback_secret="s3cret")
     raw = json.dumps({"episode_id": "ep-replicas", "value": 1}).encode()
     header = {"x-kaizen-signature": sign("s3cret", raw)}
-    assert httpx.post(first.url + "/v1/feedback", content=raw, headers=header).status_code == 200
-    replayed = httpx.post(second.url + "/v1/feedback", content=raw, headers=header)
+    assert httpx.post(first.url + "/v1/feedback", content=raw, headers={**JSON, **header}).status_code == 200
+    replayed = httpx.post(second.url + "/v1/feedback", content=raw, headers={**JSON, **header})
     assert replayed.status_code == 401 and replayed.json()["error"]["code"] == "replayed_signature"
     assert len(rewards(url)) == 1
 
@@ -376,12 +385,12 @@ def test_a_refused_signed_request_may_be_sent_again(make_gateway: MakeGateway, d
     gw = make_gateway(database_url, feedback_secret="s3cret")
     raw = json.dumps({"episode_id": "ep-retry", "value": "great"}).encode()
     header = {"x-kaizen-signature": sign("s3cret", raw)}
-    refused = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)
+    refused = httpx.post(gw.url + "/v1/feedback", content=raw, headers={**JSON, **header})
     assert refused.status_code == 400, refused.text
     add_policy(database_url, "scripted-1", {"rewards": {"feedback": {"labels": {"great": 1.0}}}})
     chat(gw, "labelled", **{"x-episode-id": "ep-retry"})
     gw.flush()
-    assert httpx.post(gw.url + "/v1/feedback", content=raw, headers=header).status_code == 200
+    assert httpx.post(gw.url + "/v1/feedback", content=raw, headers={**JSON, **header}).status_code == 200
     assert [r["label"] for r in rewards(database_url)] == ["great"]
 
 
@@ -394,13 +403,15 @@ def test_a_signed_request_that_got_a_503_may_be_sent_again(
     header = {"x-kaizen-signature": sign("s3cret", raw)}
     postgres.stop()
     try:
-        down = httpx.post(gw.url + "/v1/feedback", content=raw, headers=header, timeout=30)
+        down = httpx.post(gw.url + "/v1/feedback", content=raw, headers={**JSON, **header}, timeout=30)
         assert down.status_code == 503, down.text
     finally:
         postgres.start()
         postgres.wait_ready()
     deadline = time.monotonic() + 30
-    while (again := httpx.post(gw.url + "/v1/feedback", content=raw, headers=header)).status_code == 503:
+    while (
+        again := httpx.post(gw.url + "/v1/feedback", content=raw, headers={**JSON, **header})
+    ).status_code == 503:
         assert time.monotonic() < deadline, again.text
         time.sleep(0.2)
     assert again.status_code == 200, again.text
@@ -413,7 +424,7 @@ def test_expired_signatures_are_forgotten(make_gateway: MakeGateway, database_ur
     )
     raw = json.dumps({"episode_id": "ep-expiry", "value": 1}).encode()
     response = httpx.post(
-        gw.url + "/v1/feedback", content=raw, headers={"x-kaizen-signature": sign("s3cret", raw)}
+        gw.url + "/v1/feedback", content=raw, headers={**JSON, "x-kaizen-signature": sign("s3cret", raw)}
     )
     assert response.status_code == 200
     deadline = time.monotonic() + 10

@@ -1,0 +1,118 @@
+"""What the gateway exposes beyond its own host, and to browsers: safe defaults that hold without configuration.
+
+- A gateway bound to a non-loopback address with no API keys lets anyone who reaches the port call the model
+  and read captured conversations: `kaizen serve` refuses to start that way unless `KAIZEN_ALLOW_OPEN=true`.
+- A web page can make a browser send a cross-origin "simple request" (a form or `fetch` with `text/plain`)
+  without a CORS preflight; the browser cannot read the answer, but the request still runs. Every body-carrying
+  request must therefore say `application/json` (a type browsers only send after a preflight), or it gets 415
+  before any handler runs.
+- CORS is off unless `KAIZEN_CORS_ORIGINS` names the origins allowed to read answers.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import msgspec
+from litestar.config.cors import CORSConfig
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, HTTPResponseBodyEvent, HTTPResponseStartEvent, Receive, Scope, Send
+
+from gateway.settings import Settings
+
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_UNSUPPORTED = msgspec.json.encode(
+    {
+        "error": {
+            "message": "Requests with a body must be sent with `Content-Type: application/json`.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unsupported_media_type",
+        }
+    }
+)
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+def open_exposure(settings: Settings) -> str | None:
+    """Why serving with these settings would expose the API to the network unauthenticated, or None."""
+    if is_loopback(settings.host) or settings.api_keys or settings.allow_open:
+        return None
+    return (
+        f"refusing to serve on {settings.host}: it is reachable from other machines and no API keys are set, "
+        "so anyone could call the model and read captured conversations. Set KAIZEN_API_KEYS, bind "
+        "KAIZEN_HOST=127.0.0.1, or set KAIZEN_ALLOW_OPEN=true to serve openly on purpose."
+    )
+
+
+def cors_config(settings: Settings) -> CORSConfig | None:
+    """CORS for the configured origins only; None (no CORS headers at all) when none are configured."""
+    if not settings.cors_origins:
+        return None
+    return CORSConfig(
+        allow_origins=settings.cors_origins,
+        allow_methods=["GET", "POST", "PUT", "OPTIONS"],
+        allow_headers=[
+            "authorization",
+            "content-type",
+            "x-episode-id",
+            "x-request-id",
+            "x-kaizen-no-log",
+            "x-kaizen-signature",
+        ],
+        expose_headers=["x-request-id", "x-episode-id"],
+    )
+
+
+def _json_media_type(value: bytes) -> bool:
+    media = value.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def json_bodies_only(app: ASGIApp) -> ASGIApp:
+    """ASGI middleware: a POST/PUT/PATCH whose body is not declared JSON gets an OpenAI-shaped 415, unread.
+
+    A request without a body and without a content type (an admin `POST .../train`) passes: there is nothing
+    to parse, and a cross-origin page cannot send the admin key without a preflight."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == ScopeType.HTTP and scope["method"] in _BODY_METHODS:
+            content_type: bytes | None = None
+            has_body = False
+            for name, value in scope["headers"]:
+                if name == b"content-type":
+                    content_type = value
+                elif (name == b"content-length" and value.strip() not in (b"", b"0")) or (
+                    name == b"transfer-encoding"
+                ):
+                    has_body = True
+            if (content_type is not None or has_body) and not (
+                content_type is not None and _json_media_type(content_type)
+            ):
+                start: HTTPResponseStartEvent = {
+                    "type": "http.response.start",
+                    "status": 415,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(_UNSUPPORTED)).encode()),
+                    ],
+                }
+                body: HTTPResponseBodyEvent = {
+                    "type": "http.response.body",
+                    "body": _UNSUPPORTED,
+                    "more_body": False,
+                }
+                await send(start)
+                await send(body)
+                return
+        await app(scope, receive, send)
+
+    return middleware

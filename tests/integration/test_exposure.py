@@ -1,0 +1,118 @@
+"""Safe defaults: no open gateway on the network by accident, no cross-origin simple requests, no CORS unasked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.exposure import open_exposure
+from gateway.settings import Settings
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+from tests.support.openai_schema import validate
+from tests.support.scripted_upstream import ScriptedUpstream
+
+MakeGateway = Callable[..., GatewayServer]
+BODY = b'{"model": "scripted-1", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ({"host": "127.0.0.1"}, False),
+        ({"host": "::1"}, False),
+        ({"host": "localhost"}, False),
+        ({"host": "0.0.0.0"}, True),
+        ({"host": "::"}, True),
+        ({"host": "gateway.internal"}, True),
+        ({"host": "0.0.0.0", "api_keys": "k1"}, False),
+        ({"host": "0.0.0.0", "allow_open": True}, False),
+    ],
+)
+def test_open_exposure(overrides: dict[str, object], refused: bool) -> None:
+    assert (open_exposure(Settings.load(**overrides)) is not None) == refused
+
+
+def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    command = [sys.executable, "-m", "gateway", "serve", "--host", "0.0.0.0", "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--data-dir", str(tmp_path / "data")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:  # it must not be serving: stop it whatever the assertion says
+            process.kill()
+            process.wait()
+    assert process.returncode == 2, output
+    assert "refusing to serve on 0.0.0.0" in output and "KAIZEN_API_KEYS" in output
+    assert "KAIZEN_ALLOW_OPEN=true" in output
+    assert not (tmp_path / "data").exists()  # refused before touching anything
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"content-type": "text/plain"},
+        {"content-type": "text/plain;charset=UTF-8"},
+        {"content-type": "application/x-www-form-urlencoded"},
+        {"content-type": "multipart/form-data; boundary=x"},
+        {},
+    ],
+)
+def test_bodies_not_declared_json_are_refused_unread(
+    make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream, headers: dict[str, str]
+) -> None:
+    gw = make_gateway(database_url)
+    before = len(upstream.requests)
+    for path in ("/v1/chat/completions", "/v1/feedback"):
+        response = httpx.post(gw.url + path, content=BODY, headers=headers, timeout=10)
+        assert response.status_code == 415, response.text
+        validate("ErrorResponse", response.json())
+        assert response.json()["error"]["code"] == "unsupported_media_type"
+    gw.flush()
+    assert len(upstream.requests) == before
+    assert query(database_url, "SELECT id FROM calls") == []
+    assert query(database_url, "SELECT id FROM rewards") == []
+    ok = httpx.post(
+        gw.url + "/v1/chat/completions",
+        content=BODY,
+        headers={"content-type": "application/json; charset=utf-8"},
+        timeout=10,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_cors_is_off_unless_origins_are_configured(make_gateway: MakeGateway, database_url: str) -> None:
+    origin = {"origin": "https://app.example"}
+    closed = make_gateway(database_url)
+    response = httpx.get(closed.url + "/v1/models", headers=origin, timeout=10)
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+    preflight = {**origin, "access-control-request-method": "POST"}
+    refused = httpx.options(closed.url + "/v1/chat/completions", headers=preflight, timeout=10)
+    assert "access-control-allow-origin" not in refused.headers
+
+    opened = make_gateway(database_url, cors_origins=["https://app.example"])
+    response = httpx.get(opened.url + "/v1/models", headers=origin, timeout=10)
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    allowed = httpx.options(
+        opened.url + "/v1/chat/completions",
+        headers={**preflight, "access-control-request-headers": "content-type"},
+        timeout=10,
+    )
+    assert allowed.status_code in (200, 204), allowed.text
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.get(opened.url + "/v1/models", headers={"origin": "https://evil.example"}, timeout=10)
+    assert "access-control-allow-origin" not in other.headers
