@@ -41,4 +41,6 @@ class CallRecord(msgspec.Struct, kw_only=True):
     group_key: str | None = None
     user: str | None = None
     episode_metadata: dict[str, Any] = {}
+    key_id: str | None = None  # the API key that sent it
+    project: str = "default"  # its key's project: a new episode belongs to it
     created_at: float

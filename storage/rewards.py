@@ -48,6 +48,7 @@ class NewReward:
     metadata: dict[str, Any] = field(default_factory=dict)
     idempotency_key: str | None = None
     status: str = "linked"
+    key_id: str | None = None  # the API key that sent it
 
 
 def _info(row: Reward) -> RewardInfo:
@@ -96,6 +97,7 @@ async def insert_rewards(
                 meta=reward.metadata,
                 idempotency_key=reward.idempotency_key,
                 status=reward.status,
+                key_id=reward.key_id,
                 created_at=datetime.now(UTC),
             )
             .on_conflict_do_nothing(index_elements=["idempotency_key"])
