@@ -74,9 +74,10 @@ class ConversationHashes:
     lookup: list[str] = field(default_factory=list)  # candidate earlier tails, longest first
 
     @classmethod
-    def of(cls, messages: Sequence[Mapping[str, Any]]) -> ConversationHashes:
+    def of(cls, messages: Sequence[Mapping[str, Any]], project: str = "default") -> ConversationHashes:
+        """The built-in project hashes as before projects existed; any other seeds the chain with its name."""
         prefixes: list[bytes] = []
-        previous = b""
+        previous = b"" if project == "default" else hashlib.blake2b(project.encode(), digest_size=16).digest()
         context: bytes | None = None
         for message in messages:
             if context is None and message.get("role") == "assistant":
