@@ -92,14 +92,15 @@ class KeyRing:
             self._static[digest(admin_key)] = Principal(
                 "admin-key", "admin-key", frozenset(SCOPES), DEFAULT_PROJECT, all_projects=True
             )
-        self._has_env_client_keys = any(p.key_id == "env" for p in self._static.values())
+        self._closed = any(p.key_id == "env" for p in self._static.values())
         self._keys: dict[str, Principal] = dict(self._static)
         self._task: asyncio.Task[None] | None = None
 
     @property
     def open(self) -> bool:
-        """No client key exists (environment or managed): /v1 and feedback accept anyone, as before keys."""
-        return not self._has_env_client_keys and len(self._keys) == len(self._static)
+        """No client key was ever configured (environment or managed; revoked ones count, so revoking the
+        last key does not open the gateway): /v1 and feedback accept anyone, as before keys existed."""
+        return not self._closed
 
     @property
     def admin_enabled(self) -> bool:
@@ -111,14 +112,15 @@ class KeyRing:
         return self._keys.get(digest(authorization[7:].strip()))
 
     def load(self, keys: Sequence[KeyInfo]) -> None:
-        """Replace the managed keys with these (revoked ones are left out); environment keys stay."""
+        """Replace the managed keys with these (revoked ones are refused); environment keys stay."""
         fresh = {k.hash: _managed(k) for k in keys if k.revoked_at is None}
         self._keys = {**fresh, **self._static}
+        self._closed = self._closed or bool(keys)
 
     async def refresh(self, database: Database) -> None:
         try:
             async with database.session() as session:
-                keys = await list_keys(session, include_revoked=False)
+                keys = await list_keys(session)
         except Exception as exc:  # keep the last known keys; the next round retries
             log.warning("could not read API keys: %s", exc)
             return

@@ -254,3 +254,35 @@ def test_admin_changes_are_written_to_the_audit_log(make_gateway: MakeGateway, d
     assert entries[0]["details"]["run_id"] >= 1
     only = httpx.get(gw.url + "/admin/audit", params={"action": "policy.pause", "limit": 1}, headers=ADMIN)
     assert [e["action"] for e in only.json()] == ["policy.pause"]
+
+
+def test_a_gateway_without_keys_closes_with_its_first_managed_key(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key="adm", policy_refresh_s=0.2)
+    assert httpx.get(gw.url + "/v1/models").status_code == 200  # open, as before keys existed
+    created = create_key(gw, "first")
+    assert httpx.get(gw.url + "/v1/models").status_code == 401
+    assert httpx.get(gw.url + "/v1/models", headers=bearer(created["secret"])).status_code == 200
+    assert httpx.delete(f"{gw.url}/admin/keys/{created['id']}", headers=ADMIN).status_code == 200
+    # Revoking the last key does not open the gateway again.
+    assert httpx.get(gw.url + "/v1/models").status_code == 401
+    assert httpx.get(gw.url + "/v1/models", headers=bearer(created["secret"])).status_code == 401
+
+
+def test_promotions_from_the_cli_are_audited_as_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    seed_policy(url, 2)
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    assert main(["policy", "promote", "bot", "1", *flags]) == 0
+    assert main(["policy", "rollback", "bot", *flags]) == 0
+    assert main(["policy", "promote", "bot", "7", *flags]) == 2  # refused: no entry
+    capsys.readouterr()
+    assert main(["audit", "--target", "bot", *flags]) == 0
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(e["action"], e["actor"], e["details"]) for e in entries] == [
+        ("policy.rollback", "cli", {"from_version": 1}),
+        ("policy.promote", "cli", {"version": 1}),
+    ]
