@@ -249,6 +249,7 @@ class FeedbackService:
                     idempotency_key=item.idempotency_key,
                     status=target.status,
                     key_id=principal.key_id,
+                    project=None if principal.all_projects else principal.project,
                 )
             )
         fresh = [p for p in prepared if isinstance(p, NewReward)]

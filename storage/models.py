@@ -144,6 +144,8 @@ class Reward(Base):
     # linked: its call/episode exists; pending: not written yet; orphaned: still unknown after the grace period.
     status: Mapped[str] = mapped_column(String(16), default="linked", server_default="linked", index=True)
     key_id: Mapped[str | None] = mapped_column(String(64))  # the API key that sent it; None for judges
+    # The sender's project: early feedback is linked only to a target of that project. None: any project.
+    project: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 

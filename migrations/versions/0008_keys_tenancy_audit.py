@@ -53,10 +53,12 @@ def upgrade() -> None:
     op.create_index(op.f("ix_episodes_project"), "episodes", ["project"])
     op.add_column("calls", sa.Column("key_id", sa.String(length=64), nullable=True))
     op.add_column("rewards", sa.Column("key_id", sa.String(length=64), nullable=True))
+    op.add_column("rewards", sa.Column("project", sa.String(length=128), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("rewards") as batch:
+        batch.drop_column("project")
         batch.drop_column("key_id")
     with op.batch_alter_table("calls") as batch:
         batch.drop_column("key_id")

@@ -286,3 +286,32 @@ def test_promotions_from_the_cli_are_audited_as_cli(
         ("policy.rollback", "cli", {"from_version": 1}),
         ("policy.promote", "cli", {"version": 1}),
     ]
+
+
+def test_early_feedback_from_another_project_never_reaches_the_episode(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = gateway(make_gateway, database_url, feedback_link_interval_s=0.1)
+    alpha = create_key(gw, "alpha-app", project="alpha")["secret"]
+    beta = create_key(gw, "beta-app", project="beta")["secret"]
+    # Beta guesses the id alpha will choose and rewards it before it exists: accepted as pending.
+    early = httpx.post(
+        gw.url + "/v1/feedback", json={"episode_id": "ep-guess", "value": 0.0}, headers=bearer(beta)
+    )
+    assert early.status_code == 200 and early.json()["items"][0]["status"] == "pending"
+    own = httpx.post(
+        gw.url + "/v1/feedback", json={"episode_id": "ep-guess", "value": 1.0}, headers=bearer(alpha)
+    )
+    assert own.status_code == 200
+    call_id, episode_id = chat(gw, alpha, **{"x-episode-id": "ep-guess"})
+    assert episode_id == "ep-guess"
+    wait_until(
+        lambda: bool(query(database_url, "SELECT id FROM rewards WHERE status = 'linked'")),
+        "alpha's early feedback linked",
+    )
+    statuses = [r["status"] for r in query(database_url, "SELECT status FROM rewards ORDER BY id")]
+    assert statuses == ["pending", "linked"]
+    shown = httpx.get(f"{gw.url}/v1/episodes/ep-guess", headers=bearer(alpha)).json()
+    assert [r["value"] for r in shown["rewards"]] == [1.0]
+    assert shown["reward"] == 1.0
+    assert written(database_url, call_id)
