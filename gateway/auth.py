@@ -29,13 +29,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from storage.database import Database
 from storage.keys import KeyInfo, insert_key, list_keys
+from storage.models import DEFAULT_PROJECT
 
 log = logging.getLogger(__name__)
 
 Scope = Literal["chat", "feedback", "read", "admin"]
 SCOPES: tuple[str, ...] = get_args(Scope)
 CLIENT_SCOPES = frozenset({"chat", "feedback", "read"})
-DEFAULT_PROJECT = "default"
 _STATE_KEY = "kaizen.principal"
 
 

@@ -499,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["chat", "feedback", "read", "admin"],
         help="A scope the key has (repeat; default: chat, feedback, read).",
     )
+    # "default" is storage.models.DEFAULT_PROJECT, not imported here: the CLI starts without SQLAlchemy.
     key_create.add_argument("--project", default="default", help="The project whose data the key sees.")
     key_create.add_argument(
         "--model", action="append", help="A model or policy the key may call (repeat; default: any)."

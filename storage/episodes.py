@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import Call, Episode, Reward
+from storage.models import DEFAULT_PROJECT, Call, Episode, Reward
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Trajectory:
     messages: list[dict[str, Any]]
     policy: str | None = None
     group_key: str | None = None
-    project: str = "default"
+    project: str = DEFAULT_PROJECT
     context_hash: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tags: list[Any] = field(default_factory=list)

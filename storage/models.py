@@ -24,6 +24,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+DEFAULT_PROJECT = "default"
+"""The project of the environment's keys, and of everything captured before projects existed."""
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -72,7 +75,9 @@ class Episode(Base):
     policy: Mapped[str | None] = mapped_column(String(128), index=True)
     group_key: Mapped[str | None] = mapped_column(String(256), index=True)
     # The project of the key that created it: only keys of that project (and admin keys) see or reward it.
-    project: Mapped[str] = mapped_column(String(128), default="default", server_default="default", index=True)
+    project: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
+    )
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     tags: Mapped[list[Any]] = mapped_column(default=list)
     reward: Mapped[float | None] = mapped_column(Float)

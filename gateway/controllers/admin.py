@@ -11,13 +11,14 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import DEFAULT_PROJECT, KeyRing, create_key, principal_of, requires
+from gateway.auth import KeyRing, create_key, principal_of, requires
 from gateway.capture import CaptureSink
 from gateway.controllers.params import PageLimit, PathName
 from gateway.errors import NotFound
 from storage.audit import AuditInfo, list_audit, record_audit
 from storage.database import Database
 from storage.keys import KeyInfo, list_keys, revoke_key
+from storage.models import DEFAULT_PROJECT
 
 Text = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
