@@ -17,10 +17,10 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing, require_api_key
+from gateway.auth import KeyRing
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
-from gateway.controllers.admin import CaptureAdminController
+from gateway.controllers.admin import AuditController, CaptureAdminController, KeysController
 from gateway.controllers.chat import ChatController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
@@ -55,6 +55,7 @@ class Services:
     chat: ChatService
     feedback: FeedbackService
     jobs: Jobs
+    keys: KeyRing
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -142,10 +143,11 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
     )
+    keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
         database,
         sink.recent,
-        KeyRing(settings.api_keys),
+        keys,
         secret=settings.feedback_secret,
         tolerance_s=settings.feedback_tolerance_s,
         grace_s=settings.feedback_grace_s,
@@ -153,7 +155,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         redactor=router.redactor,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, feedback, jobs)
+    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys)
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -271,6 +273,7 @@ def create_app(services: Services) -> Litestar:
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         await services.engine.start()
         await services.sink.start()
+        await services.keys.start(services.database, settings.policy_refresh_s)
         await services.router.start()
         await services.chat.warm(services.database)
         await services.feedback.start()
@@ -285,17 +288,17 @@ def create_app(services: Services) -> Litestar:
             await services.jobs.stop()
             await services.feedback.stop()
             await services.router.stop()
+            await services.keys.stop()
             await services.sink.stop()
             await services.engine.close()
             await services.database.dispose()
 
-    # Guards cost a handler copy per request: attach the key check only when keys are configured. Likewise the
-    # rate limiter (admin and feedback routes are outside /v1's router: never limited).
+    # Each controller's guard names the scope it needs (`gateway.auth.requires`). The rate limiter is attached
+    # only when a limit is set (admin and feedback routes are outside /v1's router: never limited).
     limiter = limiter_from_settings(settings)
     v1 = Router(
         path="/v1",
         route_handlers=[ChatController, ModelsController, EpisodesController],
-        guards=[require_api_key] if settings.api_keys else [],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
     return Litestar(
@@ -304,6 +307,8 @@ def create_app(services: Services) -> Litestar:
             FeedbackController,
             HealthController,
             CaptureAdminController,
+            KeysController,
+            AuditController,
             PoliciesController,
             RunsController,
         ],
@@ -317,8 +322,9 @@ def create_app(services: Services) -> Litestar:
             "settings": Provide(lambda: services.settings, sync_to_thread=False, use_cache=True),
             "feedback": Provide(lambda: services.feedback, sync_to_thread=False, use_cache=True),
             "jobs": Provide(lambda: services.jobs, sync_to_thread=False, use_cache=True),
+            "keys": Provide(lambda: services.keys, sync_to_thread=False, use_cache=True),
         },
-        state=State({"api_keys": KeyRing(settings.api_keys), "admin_key": KeyRing([settings.admin_key])}),
+        state=State({"key_ring": services.keys}),
         exception_handlers={
             APIError: _api_error,
             IntegrityError: integrity_conflict,

@@ -1,54 +1,239 @@
-"""Bearer-key checks. Keys are kept only as SHA-256 digests and compared in constant time."""
+"""Bearer keys: who sends a request, what it may do (scopes), and which project's data it sees.
+
+Keys come from two places. The environment (`KAIZEN_API_KEYS`, `KAIZEN_ADMIN_KEY`) gives keys of the built-in
+project with every client scope, and the admin key. Managed keys live in the `api_keys` table as SHA-256
+digests of their secrets, with a name, scopes, a project and optionally the models they may call; every
+gateway keeps them in memory and re-reads them every `KAIZEN_POLICY_REFRESH_S`, so a revocation reaches every
+replica within that interval and the request path never queries the database. A key is found by the digest
+of the presented secret (a dict lookup): the digest of a high-entropy secret tells nothing about its neighbours,
+so no constant-time scan of every key is needed.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
-import hmac
-from collections.abc import Iterable
-from typing import Any
+import logging
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, get_args
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
+from litestar.types import Guard
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.errors import AuthenticationError
+from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
+from storage.database import Database
+from storage.keys import KeyInfo, insert_key, list_keys
+from storage.models import DEFAULT_PROJECT
+
+log = logging.getLogger(__name__)
+
+Scope = Literal["chat", "feedback", "read", "admin"]
+SCOPES: tuple[str, ...] = get_args(Scope)
+CLIENT_SCOPES = frozenset({"chat", "feedback", "read"})
+_STATE_KEY = "kaizen.principal"
 
 
-def digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The sender of a request, as its key describes it."""
+
+    key_id: str  # a managed key's id; `env` (environment keys), `admin-key`, or `open` (no keys configured)
+    name: str
+    scopes: frozenset[str]
+    project: str  # what its calls are recorded under
+    models: frozenset[str] | None = None  # models/policies it may call; None: any
+    all_projects: bool = False  # admin keys read and reward every project's episodes
+
+    @property
+    def actor(self) -> str:
+        """How the audit log names it."""
+        return (
+            self.key_id
+            if self.key_id in ("admin-key", "env", "open", "webhook")
+            else f"{self.key_id} ({self.name})"
+        )
+
+    def sees(self, project: str) -> bool:
+        return self.all_projects or project == self.project
+
+    def may_use(self, model: str, policy: str | None) -> bool:
+        return self.models is None or model in self.models or (policy is not None and policy in self.models)
+
+
+OPEN = Principal("open", "open", CLIENT_SCOPES, DEFAULT_PROJECT)
+WEBHOOK = Principal("webhook", "webhook", frozenset({"feedback"}), DEFAULT_PROJECT, all_projects=True)
+"""A request signed with the feedback webhook secret: a trusted backend, not bound to one project."""
+
+
+def _managed(key: KeyInfo) -> Principal:
+    models = None if key.models is None else frozenset(key.models)
+    scopes = frozenset(key.scopes)
+    return Principal(key.id, key.name, scopes, key.project, models, all_projects="admin" in scopes)
 
 
 class KeyRing:
-    """A set of accepted keys. Empty means open (no key required)."""
+    """Every accepted key, by the digest of its secret. With no client key at all, /v1 is open."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._digests = [digest(k) for k in keys if k]
+    def __init__(self, client_keys: Iterable[str], admin_key: str = "") -> None:
+        self._static: dict[str, Principal] = {
+            digest(k): Principal("env", "env", CLIENT_SCOPES, DEFAULT_PROJECT) for k in client_keys if k
+        }
+        if admin_key:
+            self._static[digest(admin_key)] = Principal(
+                "admin-key", "admin-key", frozenset(SCOPES), DEFAULT_PROJECT, all_projects=True
+            )
+        self._closed = any(p.key_id == "env" for p in self._static.values())
+        self._keys: dict[str, Principal] = dict(self._static)
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def open(self) -> bool:
-        return not self._digests
+        """No client key was ever configured (environment or managed; revoked ones count, so revoking the
+        last key does not open the gateway): /v1 and feedback accept anyone, as before keys existed."""
+        return not self._closed
 
-    def accepts(self, authorization: str | None) -> bool:
+    @property
+    def admin_enabled(self) -> bool:
+        return any("admin" in p.scopes for p in self._keys.values())
+
+    def lookup(self, authorization: str | None) -> Principal | None:
         if authorization is None or not authorization.startswith("Bearer "):
-            return False
-        candidate = digest(authorization[7:].strip())
-        # Compare against every key so the time taken does not depend on which one matched.
-        matched = False
-        for known in self._digests:
-            matched |= hmac.compare_digest(candidate, known)
-        return matched
+            return None
+        return self._keys.get(digest(authorization[7:].strip()))
+
+    def load(self, keys: Sequence[KeyInfo]) -> None:
+        """Replace the managed keys with these (revoked ones are refused); environment keys stay."""
+        fresh = {k.hash: _managed(k) for k in keys if k.revoked_at is None}
+        self._keys = {**fresh, **self._static}
+        self._closed = self._closed or bool(keys)
+
+    async def refresh(self, database: Database) -> None:
+        try:
+            async with database.session() as session:
+                keys = await list_keys(session)
+        except Exception as exc:  # keep the last known keys; the next round retries
+            log.warning("could not read API keys: %s", exc)
+            return
+        self.load(keys)
+
+    async def start(self, database: Database, interval_s: float) -> None:
+        await self.refresh(database)
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                await self.refresh(database)
+
+        self._task = asyncio.create_task(loop(), name="key-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
-async def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    ring: KeyRing = connection.app.state.api_keys
-    if not ring.open and not ring.accepts(connection.headers.get("authorization")):
+def authenticate_client(ring: KeyRing, authorization: str | None, scope: str) -> Principal:
+    """The principal of a /v1 request that needs `scope`: 401 without a known key, 403 without the scope."""
+    principal = ring.lookup(authorization)
+    if principal is None:
+        if ring.open:
+            return OPEN
         raise AuthenticationError(
             "Missing or invalid API key. Send `Authorization: Bearer <key>`.", code="invalid_api_key"
         )
+    return _with_scope(principal, scope)
 
 
-async def require_admin_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    ring: KeyRing = connection.app.state.admin_key
-    if ring.open:
-        raise AuthenticationError("Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled")
-    if not ring.accepts(connection.headers.get("authorization")):
-        raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
+def _with_scope(principal: Principal, scope: str) -> Principal:
+    if scope not in principal.scopes:
+        raise PermissionDenied(f"This key lacks the `{scope}` scope needed here.", code="insufficient_scope")
+    return principal
+
+
+def requires(scope: Scope) -> Guard:
+    """A guard that authenticates the request and checks `scope`; the principal is kept in the request scope."""
+
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        ring: KeyRing = connection.app.state.key_ring
+        authorization = connection.headers.get("authorization")
+        if scope == "admin":
+            if not ring.admin_enabled:
+                raise AuthenticationError(
+                    "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
+                )
+            found = ring.lookup(authorization)
+            if found is None:
+                raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
+            principal = _with_scope(found, scope)
+        else:
+            principal = authenticate_client(ring, authorization, scope)
+        connection.scope.setdefault("state", {})[_STATE_KEY] = principal
+
+    guard.__name__ = f"requires_{scope}"
+    return guard
+
+
+def principal_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+    """The principal a guard established for this request."""
+    principal: Principal = connection.scope["state"][_STATE_KEY]
+    return principal
+
+
+# ---------------------------------------------------------------------------------------------- key management
+def new_secret() -> str:
+    """A key secret: 256 random bits, URL-safe, with a recognisable prefix."""
+    return "kz-" + secrets.token_urlsafe(32)
+
+
+def check_key_fields(name: str, scopes: Sequence[str], project: str) -> None:
+    unknown = sorted(set(scopes) - set(SCOPES))
+    if unknown or not scopes:
+        raise InvalidRequest(
+            f"scopes must be a non-empty subset of {', '.join(SCOPES)}; unknown: {', '.join(unknown) or '-'}",
+            param="scopes",
+            code="invalid_value",
+        )
+    for param, value in (("name", name), ("project", project)):
+        if not value or len(value) > 128 or any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise InvalidRequest(
+                f"{param} must be 1-128 characters without control characters",
+                param=param,
+                code="invalid_value",
+            )
+
+
+async def create_key(
+    session: AsyncSession,
+    name: str,
+    scopes: Sequence[str],
+    project: str = DEFAULT_PROJECT,
+    models: Sequence[str] | None = None,
+) -> tuple[KeyInfo, str]:
+    """Store a new key (its digest only) in the session's transaction; returns it and its secret, which is
+    shown this once. Raises `InvalidRequest` for unknown scopes or bad names."""
+    check_key_fields(name, scopes, project)
+    secret = new_secret()
+    key = KeyInfo(
+        id="key_" + secrets.token_hex(8),
+        name=name,
+        prefix=secret[:10],
+        hash=digest(secret),
+        scopes=sorted(set(scopes)),
+        project=project,
+        models=None if models is None else sorted(set(models)),
+        created_at=datetime.now(UTC),
+        revoked_at=None,
+    )
+    await insert_key(session, key)
+    return key, secret

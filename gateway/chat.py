@@ -16,10 +16,11 @@ from typing import Any
 
 import msgspec
 
+from gateway.auth import Principal
 from gateway.capture import CaptureSink
 from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
-from gateway.errors import APIError, InvalidRequest, PayloadTooLarge
+from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import ChatCompletionRequest
 from gateway.redaction import redact_call
@@ -52,6 +53,7 @@ class CallContext:
     hashes: ConversationHashes
     capture: bool
     started: float
+    principal: Principal
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
 
@@ -95,7 +97,7 @@ class ChatService:
         log.info("stitch cache warmed with %d conversation tails", len(keys))
 
     # ------------------------------------------------------------------ validation
-    def prepare(self, raw_body: bytes, headers: Mapping[str, str]) -> CallContext:
+    def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
         started = time.perf_counter()
         if self.sink.closing:
@@ -122,8 +124,13 @@ class ChatService:
             raise _validation_error(exc) from exc
         self._check(request)
         route = self.router.resolve(request.model)
+        if not principal.may_use(request.model, route.policy):
+            raise PermissionDenied(
+                f"This key may not use the model `{request.model}`.", param="model", code="model_not_allowed"
+            )
         messages = body["messages"]
-        hashes = ConversationHashes.of(messages)
+        # Conversations of different projects never stitch into one episode: the project seeds the hashes.
+        hashes = ConversationHashes.of(messages, principal.project)
         episode = assign_episode(headers.get("x-episode-id"), request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
         return CallContext(
@@ -137,6 +144,7 @@ class ChatService:
             hashes=hashes,
             capture=headers.get("x-kaizen-no-log", "").lower() not in ("true", "1", "yes"),
             started=started,
+            principal=principal,
         )
 
     def _check(self, request: ChatCompletionRequest) -> None:
@@ -300,6 +308,8 @@ class ChatService:
             group_key=(request.metadata or {}).get("group_key"),
             user=request.user,
             episode_metadata=dict(request.metadata or {}),
+            key_id=ctx.principal.key_id,
+            project=ctx.principal.project,
             created_at=time.time(),
         )
         redactor = self.router.redactor(ctx.route.policy)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +236,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
-    from storage.policies import promote, rollback
+    from storage.audit import record_audit
+    from storage.policies import get_policy, promote, rollback
     from storage.schema import open_database
 
     settings = load_settings(args)
@@ -245,9 +248,16 @@ def cmd_policy_switch(args: argparse.Namespace) -> int:
             open_database(settings.database_url, migrate=False) as database,
             database.session() as session,
         ):
+            # The entry goes first: the switch commits it with the change, and a refusal leaves neither.
             if args.policy_command == "promote":
+                await record_audit(session, "cli", "policy.promote", args.name, {"version": args.version})
                 policy = await promote(session, args.name, args.version)
             else:
+                current = await get_policy(session, args.name)
+                from_version = current.active_version if current else None
+                await record_audit(
+                    session, "cli", "policy.rollback", args.name, {"from_version": from_version}
+                )
                 policy = await rollback(session, args.name)
             return policy.active_version
 
@@ -257,6 +267,80 @@ def cmd_policy_switch(args: argparse.Namespace) -> int:
         log.error("kaizen: %s", exc)
         return 2
     log.info("policy %s: version %s is active", args.name, version)
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`kaizen keys create|list|revoke`: managed API keys, one JSON object a line on stdout. A created
+    key's secret is printed once; gateways pick changes up within `KAIZEN_POLICY_REFRESH_S`."""
+    from gateway.auth import create_key
+    from gateway.errors import APIError
+    from storage.audit import record_audit
+    from storage.keys import list_keys, revoke_key
+    from storage.schema import open_database
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+
+    def shown(key: Any) -> dict[str, Any]:
+        view = {k: v for k, v in dataclasses.asdict(key).items() if k != "hash"}
+        return {**view, "created_at": key.created_at.isoformat(), "revoked_at": _iso(key.revoked_at)}
+
+    async def run() -> list[dict[str, Any]] | None:
+        async with open_database(settings.database_url) as database, database.session() as session:
+            if args.keys_command == "create":
+                scopes = args.scope or ["chat", "feedback", "read"]
+                key, secret = await create_key(session, args.name, scopes, args.project, args.model)
+                details = {
+                    "name": key.name,
+                    "scopes": key.scopes,
+                    "project": key.project,
+                    "models": key.models,
+                }
+                await record_audit(session, "cli", "key.create", key.id, details)
+                await session.commit()
+                return [{**shown(key), "secret": secret}]
+            if args.keys_command == "revoke":
+                revoked = await revoke_key(session, args.key_id)
+                if revoked is None:
+                    return None
+                await record_audit(session, "cli", "key.revoke", revoked.id, {"name": revoked.name})
+                await session.commit()
+                return [shown(revoked)]
+            return [shown(k) for k in await list_keys(session, include_revoked=args.all)]
+
+    try:
+        rows = asyncio.run(run())
+    except APIError as exc:
+        log.error("kaizen: %s", exc.message)
+        return 2
+    if rows is None:
+        log.error("kaizen: no key %r", args.key_id)
+        return 2
+    sys.stdout.write("".join(json.dumps(row) + "\n" for row in rows))
+    return 0
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """`kaizen audit`: the newest audit entries, one JSON object a line."""
+    from storage.audit import list_audit
+    from storage.schema import open_database
+
+    settings = load_settings(args)
+
+    async def run() -> list[dict[str, Any]]:
+        async with (
+            open_database(settings.database_url, migrate=False) as database,
+            database.session() as session,
+        ):
+            entries = await list_audit(session, action=args.action, target=args.target, limit=args.limit)
+        return [{**dataclasses.asdict(e), "at": e.at.isoformat()} for e in entries]
+
+    sys.stdout.write("".join(json.dumps(row) + "\n" for row in asyncio.run(run())))
     return 0
 
 
@@ -409,6 +493,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="Seeds the question order and training.")
     add_settings_flags(demo)
     demo.set_defaults(func=cmd_demo)
+
+    keys = commands.add_parser("keys", help="Managed API keys: create, list, revoke.")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True)
+    key_create = keys_commands.add_parser("create", help="Create a key; prints its secret once.")
+    key_create.add_argument("name", help="What the key is for (shown in lists and the audit log).")
+    key_create.add_argument(
+        "--scope",
+        action="append",
+        choices=["chat", "feedback", "read", "admin"],
+        help="A scope the key has (repeat; default: chat, feedback, read).",
+    )
+    # "default" is storage.models.DEFAULT_PROJECT, not imported here: the CLI starts without SQLAlchemy.
+    key_create.add_argument("--project", default="default", help="The project whose data the key sees.")
+    key_create.add_argument(
+        "--model", action="append", help="A model or policy the key may call (repeat; default: any)."
+    )
+    key_list = keys_commands.add_parser("list", help="List keys (never their secrets).")
+    key_list.add_argument("--all", action="store_true", help="Include revoked keys.")
+    key_revoke = keys_commands.add_parser("revoke", help="Revoke a key by its id.")
+    key_revoke.add_argument("key_id")
+    for sub in (key_create, key_list, key_revoke):
+        add_settings_flags(sub)
+        sub.set_defaults(func=cmd_keys)
+
+    audit = commands.add_parser(
+        "audit", help="List audit entries (promotions, key changes, ...), newest first."
+    )
+    audit.add_argument("--action", help="Only this action, e.g. policy.promote or key.revoke.")
+    audit.add_argument("--target", help="Only this target (a policy name, a key id).")
+    audit.add_argument("--limit", type=int, default=100)
+    add_settings_flags(audit)
+    audit.set_defaults(func=cmd_audit)
 
     settings = commands.add_parser(
         "settings", help="Print every setting with its default, as a Markdown table."

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from gateway.errors import InvalidRequest
+from storage.models import DEFAULT_PROJECT
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 _encode = msgspec.json.encode
@@ -74,9 +75,12 @@ class ConversationHashes:
     lookup: list[str] = field(default_factory=list)  # candidate earlier tails, longest first
 
     @classmethod
-    def of(cls, messages: Sequence[Mapping[str, Any]]) -> ConversationHashes:
+    def of(cls, messages: Sequence[Mapping[str, Any]], project: str = DEFAULT_PROJECT) -> ConversationHashes:
+        """The built-in project hashes as before projects existed; any other seeds the chain with its name."""
         prefixes: list[bytes] = []
-        previous = b""
+        previous = (
+            b"" if project == DEFAULT_PROJECT else hashlib.blake2b(project.encode(), digest_size=16).digest()
+        )
         context: bytes | None = None
         for message in messages:
             if context is None and message.get("role") == "assistant":

@@ -60,6 +60,13 @@ class AuthenticationError(APIError):
     error_type = "authentication_error"
 
 
+class PermissionDenied(APIError):
+    """The key is valid but may not do this (a scope it lacks, a model it may not use)."""
+
+    status_code = 403
+    error_type = "permission_error"
+
+
 class NotFound(APIError):
     status_code = 404
     error_type = "not_found_error"

@@ -29,7 +29,7 @@ from msgspec import Meta, Struct
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing
+from gateway.auth import WEBHOOK, KeyRing, Principal, authenticate_client
 from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
@@ -177,23 +177,23 @@ class FeedbackService:
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ authentication
-    def authenticate(self, headers: Mapping[str, str], raw_body: bytes) -> Signature | None:
-        """A valid signature when a secret is configured (returned); otherwise the normal API key."""
+    def authenticate(self, headers: Mapping[str, str], raw_body: bytes) -> tuple[Principal, Signature | None]:
+        """The sender, and a valid signature when a secret is configured (a signed request comes from a
+        trusted backend and may name any project's calls); otherwise a key with the `feedback` scope."""
         if not self.secret:
-            if not self.api_keys.open and not self.api_keys.accepts(headers.get("authorization")):
-                raise AuthenticationError(
-                    "Missing or invalid API key. Send `Authorization: Bearer <key>`.", code="invalid_api_key"
-                )
-            return None
+            return authenticate_client(self.api_keys, headers.get("authorization"), "feedback"), None
         try:
-            return verify(
+            signature = verify(
                 self.secret, headers.get("x-kaizen-signature"), raw_body, tolerance_s=self.tolerance_s
             )
         except SignatureError as exc:
             raise AuthenticationError(str(exc), code="invalid_signature") from exc
+        return WEBHOOK, signature
 
     # ------------------------------------------------------------------ submission
-    async def submit(self, raw_body: bytes, signature: Signature | None = None) -> FeedbackResult:
+    async def submit(
+        self, raw_body: bytes, signature: Signature | None = None, principal: Principal = WEBHOOK
+    ) -> FeedbackResult:
         """Store the body's items; a signed request's signature is recorded in the same transaction."""
         items, batched = decode_items(raw_body)
         try:
@@ -204,7 +204,7 @@ class FeedbackService:
                     raise AuthenticationError(
                         "this signed request was already received", code="replayed_signature"
                     )
-                result = await self._store(session, items, batched)
+                result = await self._store(session, items, batched, principal)
                 await session.commit()
                 return result
         except (OperationalError, OSError, ConnectionError) as exc:
@@ -223,7 +223,9 @@ class FeedbackService:
             retry_after=5.0,
         )
 
-    async def _store(self, session: AsyncSession, items: list[FeedbackItem], batched: bool) -> FeedbackResult:
+    async def _store(
+        self, session: AsyncSession, items: list[FeedbackItem], batched: bool, principal: Principal
+    ) -> FeedbackResult:
         # Everything is validated before anything is written: a bad item rejects the whole batch.
         keys = [item.idempotency_key for item in items if item.idempotency_key]
         stored = await stored_by_key(session, keys)
@@ -233,7 +235,7 @@ class FeedbackService:
             if item.idempotency_key and item.idempotency_key in stored:
                 prepared.append(stored[item.idempotency_key])
                 continue
-            target = await self._target(session, item, prefix)
+            target = await self._target(session, item, prefix, principal)
             try:
                 config = (await policy_reward_config(session, target.policy)).feedback
             except InvalidPolicyConfig as exc:
@@ -256,6 +258,8 @@ class FeedbackService:
                     metadata=metadata,
                     idempotency_key=item.idempotency_key,
                     status=target.status,
+                    key_id=principal.key_id,
+                    project=None if principal.all_projects else principal.project,
                 )
             )
         fresh = [p for p in prepared if isinstance(p, NewReward)]
@@ -277,7 +281,9 @@ class FeedbackService:
         await refresh_episode_rewards(session, linked_episodes)
         return FeedbackResult([r.id for r in results], results)
 
-    async def _target(self, session: AsyncSession, item: FeedbackItem, prefix: str) -> _Target:
+    async def _target(
+        self, session: AsyncSession, item: FeedbackItem, prefix: str, principal: Principal
+    ) -> _Target:
         if (item.request_id is None) == (item.episode_id is None):
             raise InvalidRequest(
                 "give exactly one of request_id and episode_id",
@@ -297,19 +303,28 @@ class FeedbackService:
             call_id = self.recent.newest(ident) or ident
             stored = await find_call(session, call_id)
             if stored is not None:
+                if not principal.sees(stored[3]):
+                    raise self._not_yours(prefix + name, "call", ident)
                 return _Target("linked", stored[1], stored[2], stored[0])
             recent = self.recent.call(call_id)
             if recent is not None:  # episode linked when written: stitching may still change it
                 return _Target("pending", None, recent[1], call_id)
             await self._within_grace(session, prefix + name, call_id=ident)
             return _Target("pending", None, None, ident)
-        exists, policy = await episode_policy(session, ident)
-        if exists:
+        project, policy = await episode_policy(session, ident)
+        if project is not None:
+            if not principal.sees(project):
+                raise self._not_yours(prefix + name, "episode", ident)
             return _Target("linked", ident, policy)
         known, policy = self.recent.episode(ident)
         if not known:
             await self._within_grace(session, prefix + name, episode_id=ident)
         return _Target("pending", ident, policy)
+
+    @staticmethod
+    def _not_yours(param: str, kind: str, ident: str) -> NotFound:
+        """Another project's call or episode: answered like an id that was never written."""
+        return NotFound(f"unknown {kind} {ident!r}", param=param, code="unknown_target")
 
     async def _within_grace(
         self, session: AsyncSession, param: str, *, call_id: str | None = None, episode_id: str | None = None

@@ -64,10 +64,13 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated client API keys. When set, `Authorization: Bearer <key>` is required on /v1.",
+        description="Comma-separated client API keys of the built-in project `default` (scopes chat, feedback, "
+        "read). Managed keys: `kaizen keys`. With no client key at all, /v1 is open.",
     )
     admin_key: str = Field(
-        "", description="Key for /admin routes (`Authorization: Bearer`). Empty disables them."
+        "",
+        description="Key for /admin routes (`Authorization: Bearer`); it sees every project. Empty, and no "
+        "managed key with the admin scope: /admin is disabled.",
     )
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Largest accepted request body, in bytes."
@@ -134,7 +137,10 @@ class Settings(BaseSettings):
     vllm_extra_args: str = Field("", description="Extra command-line arguments for vLLM, space-separated.")
     vllm_startup_timeout_s: float = Field(900.0, gt=0, description="Longest wait for vLLM to become healthy.")
     policy_refresh_s: float = Field(
-        2.0, gt=0, description="How often policies and active versions are re-read (promotion latency)."
+        2.0,
+        gt=0,
+        description="How often policies, active versions and managed API keys are re-read (promotion and "
+        "revocation latency).",
     )
     adapter_idle_unload_s: float = Field(
         300.0, ge=0, description="Unload an adapter version that is not active and unused for this long."

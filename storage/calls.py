@@ -29,7 +29,10 @@ _LAST_POSITIONS = (
     .where(Call.episode_id.in_(bindparam("episodes", expanding=True)))
     .group_by(Call.episode_id)
 )
-_TARGET = select(Call.id, Call.episode_id, Call.policy)
+_PROJECTS = select(Episode.id, Episode.project).where(Episode.id.in_(bindparam("episodes", expanding=True)))
+_TARGET = select(Call.id, Call.episode_id, Call.policy, Episode.project).join(
+    Episode, Episode.id == Call.episode_id
+)
 _BY_ID = _TARGET.where(Call.id == bindparam("id"))
 _BY_CLIENT_ID = (
     _TARGET.where(Call.client_request_id == bindparam("id")).order_by(Call.created_at.desc()).limit(1)
@@ -129,6 +132,7 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
     fresh = [r for r in unique if r.id not in existing]
     if not fresh:
         return 0
+    await _keep_projects_apart(session, fresh)
 
     episodes: dict[str, dict[str, Any]] = {}
     for r in fresh:
@@ -139,6 +143,7 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
                 "id": r.episode_id,
                 "policy": r.policy,
                 "group_key": r.group_key,
+                "project": r.project,
                 "metadata": r.episode_metadata,
                 "tags": [],
                 "created_at": ts,
@@ -184,6 +189,7 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
                 "context_hash": r.context_hash,
                 "group_key": r.group_key,
                 "user": r.user,
+                "key_id": r.key_id,
                 "created_at": datetime.fromtimestamp(r.created_at, UTC),
             }
         )
@@ -201,13 +207,26 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
     return len(call_rows)
 
 
-async def find_call(session: AsyncSession, request_id: str) -> tuple[str, str, str | None] | None:
-    """(call id, episode id, policy) of the call a request id names: the call with that server id, else the
-    newest call whose client sent it as its own `x-request-id`; None when neither is stored (yet)."""
+async def _keep_projects_apart(session: AsyncSession, records: Sequence[CallRecord]) -> None:
+    """A call that names (`x-episode-id`) an episode of another project starts an episode of its own, named
+    after the call: a key never adds turns to a conversation it cannot read."""
+    wanted = list({r.episode_id for r in records})
+    rows = await session.execute(_PROJECTS, {"episodes": wanted})
+    owner: dict[str, str] = {episode_id: project for episode_id, project in rows}
+    for record in records:  # earlier records of the batch create episodes too
+        project = owner.setdefault(record.episode_id, record.project)
+        if project != record.project:
+            record.episode_id = record.id
+            owner[record.id] = record.project
+
+
+async def find_call(session: AsyncSession, request_id: str) -> tuple[str, str, str | None, str] | None:
+    """(call id, episode id, policy, project) of the call a request id names: the call with that server id,
+    else the newest call whose client sent it as its own `x-request-id`; None when neither is stored (yet)."""
     row = (await session.execute(_BY_ID, {"id": request_id})).first()
     if row is None:
         row = (await session.execute(_BY_CLIENT_ID, {"id": request_id})).first()
-    return None if row is None else (row[0], row[1], row[2])
+    return None if row is None else (row[0], row[1], row[2], row[3])
 
 
 async def recent_stitch_keys(session: AsyncSession, limit: int) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import Call, Episode, Reward
+from storage.models import DEFAULT_PROJECT, Call, Episode, Reward
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Trajectory:
     messages: list[dict[str, Any]]
     policy: str | None = None
     group_key: str | None = None
+    project: str = DEFAULT_PROJECT
     context_hash: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tags: list[Any] = field(default_factory=list)
@@ -120,6 +121,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
             messages=messages,
             policy=episode.policy,
             group_key=episode.group_key,
+            project=episode.project,
             context_hash=rows[0].context_hash if rows else None,
             metadata=dict(episode.meta or {}),
             tags=list(episode.tags or []),
@@ -136,10 +138,12 @@ async def get_trajectory(session: AsyncSession, episode_id: str) -> Trajectory |
     return (await get_trajectories(session, [episode_id])).get(episode_id)
 
 
-async def episode_policy(session: AsyncSession, episode_id: str) -> tuple[bool, str | None]:
-    """(exists, policy) of an episode."""
-    row = (await session.execute(select(Episode.policy).where(Episode.id == episode_id))).first()
-    return (False, None) if row is None else (True, row.policy)
+async def episode_policy(session: AsyncSession, episode_id: str) -> tuple[str | None, str | None]:
+    """(project, policy) of an episode; the project is None when the episode is not stored."""
+    row = (
+        await session.execute(select(Episode.project, Episode.policy).where(Episode.id == episode_id))
+    ).first()
+    return (None, None) if row is None else (row.project, row.policy)
 
 
 async def episode_policies(session: AsyncSession, episode_ids: list[str]) -> dict[str, str | None]:
@@ -153,14 +157,19 @@ async def update_episode(
     *,
     metadata: dict[str, Any] | None = None,
     tags: list[Any] | None = None,
+    project: str | None = None,
 ) -> bool:
-    """Replace an episode's metadata and/or tags (fields left None are kept); False when it does not exist."""
+    """Replace an episode's metadata and/or tags (fields left None are kept); False when it does not exist
+    (or, given a `project`, belongs to another one)."""
     values: dict[str, Any] = {"updated_at": datetime.now(UTC)}
     if metadata is not None:
         values["meta"] = metadata
     if tags is not None:
         values["tags"] = tags
-    result = await session.execute(update(Episode).where(Episode.id == episode_id).values(**values))
+    query = update(Episode).where(Episode.id == episode_id)
+    if project is not None:
+        query = query.where(Episode.project == project)
+    result = await session.execute(query.values(**values))
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 

@@ -24,6 +24,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+DEFAULT_PROJECT = "default"
+"""The project of the environment's keys, and of everything captured before projects existed."""
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -71,6 +74,10 @@ class Episode(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     policy: Mapped[str | None] = mapped_column(String(128), index=True)
     group_key: Mapped[str | None] = mapped_column(String(256), index=True)
+    # The project of the key that created it: only keys of that project (and admin keys) see or reward it.
+    project: Mapped[str] = mapped_column(
+        String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
+    )
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     tags: Mapped[list[Any]] = mapped_column(default=list)
     reward: Mapped[float | None] = mapped_column(Float)
@@ -110,6 +117,7 @@ class Call(Base):
     context_hash: Mapped[str | None] = mapped_column(String(32), index=True)
     group_key: Mapped[str | None] = mapped_column(String(256), index=True)
     user: Mapped[str | None] = mapped_column(String(256))
+    key_id: Mapped[str | None] = mapped_column(String(64))  # the API key that sent it (`env` for env keys)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
@@ -140,6 +148,9 @@ class Reward(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(256), unique=True)
     # linked: its call/episode exists; pending: not written yet; orphaned: still unknown after the grace period.
     status: Mapped[str] = mapped_column(String(16), default="linked", server_default="linked", index=True)
+    key_id: Mapped[str | None] = mapped_column(String(64))  # the API key that sent it; None for judges
+    # The sender's project: early feedback is linked only to a target of that project. None: any project.
+    project: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
 
 
@@ -203,3 +214,33 @@ class SignatureReplay(Base):
 
     mac: Mapped[str] = mapped_column(String(64), primary_key=True)  # HMAC of "<t>.<body>", lower-case hex
     timestamp: Mapped[int] = mapped_column(BigInteger, index=True)  # the signature's unix seconds
+
+
+class ApiKey(Base):
+    """A managed API key. Only the SHA-256 of the secret is stored; `prefix` (its first characters) is what
+    lists show. Revoked keys stay as rows so that calls and audit entries keep naming them."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(16))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)  # lower-case hex SHA-256 of the secret
+    scopes: Mapped[list[Any]] = mapped_column()  # chat | feedback | read | admin
+    project: Mapped[str] = mapped_column(String(128))
+    models: Mapped[list[Any] | None] = mapped_column(JSON)  # models/policies it may call; None: any
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AuditEntry(Base):
+    """One administrative change (promotion, pause, key created, manual run, ...): who, what, when."""
+
+    __tablename__ = "audit"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(256))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target: Mapped[str] = mapped_column(String(256), index=True)
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)

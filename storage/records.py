@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from storage.models import DEFAULT_PROJECT
+
 
 class CallRecord(msgspec.Struct, kw_only=True):
     """A completed call as the gateway saw it, ready to be written (or spooled) without touching the database.
@@ -41,4 +43,6 @@ class CallRecord(msgspec.Struct, kw_only=True):
     group_key: str | None = None
     user: str | None = None
     episode_metadata: dict[str, Any] = {}
+    key_id: str | None = None  # the API key that sent it
+    project: str = DEFAULT_PROJECT  # its key's project: a new episode belongs to it
     created_at: float

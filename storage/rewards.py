@@ -48,6 +48,8 @@ class NewReward:
     metadata: dict[str, Any] = field(default_factory=dict)
     idempotency_key: str | None = None
     status: str = "linked"
+    key_id: str | None = None  # the API key that sent it
+    project: str | None = None  # the sender's project, when it is confined to one
 
 
 def _info(row: Reward) -> RewardInfo:
@@ -96,6 +98,8 @@ async def insert_rewards(
                 meta=reward.metadata,
                 idempotency_key=reward.idempotency_key,
                 status=reward.status,
+                key_id=reward.key_id,
+                project=reward.project,
                 created_at=datetime.now(UTC),
             )
             .on_conflict_do_nothing(index_elements=["idempotency_key"])
@@ -131,6 +135,8 @@ async def rewards_for_episodes(
         .scalars()
         .all()
     )
+    owners = await session.execute(select(Episode.id, Episode.project).where(Episode.id.in_(ids)))
+    projects = {episode_id: project for episode_id, project in owners}
     episode_of_call: dict[str, str] = {}
     if any(r.episode_id is None for r in rows):
         # A pending reward names only its call; iterate the rows (a `Result` is not a mapping for dict()).
@@ -139,6 +145,8 @@ async def rewards_for_episodes(
     result: dict[str, list[RewardInfo]] = {episode_id: [] for episode_id in ids}
     for row in rows:
         episode_id = row.episode_id or episode_of_call.get(row.call_id or "")
+        if row.project is not None and row.project != projects.get(episode_id or ""):
+            continue  # early feedback from another project that named this episode: never its reward
         if episode_id in result:
             result[episode_id].append(_info(row))
     return result
@@ -161,10 +169,13 @@ async def oldest_unlinked(
 async def link_pending(session: AsyncSession) -> set[str]:
     """Link unlinked rewards whose call or episode is now stored; returns the episodes that gained rewards."""
     touched: set[str] = set()
+    # Feedback from a key confined to a project links only to that project's calls and episodes.
+    same_project = or_(Reward.project.is_(None), Reward.project == Episode.project)
     by_call = await session.execute(
         select(Reward.id, Call.episode_id)
         .join(Call, Call.id == Reward.call_id)
-        .where(Reward.status != "linked", Reward.call_id.is_not(None))
+        .join(Episode, Episode.id == Call.episode_id)
+        .where(Reward.status != "linked", Reward.call_id.is_not(None), same_project)
     )
     for reward_id, episode_id in by_call:
         await session.execute(
@@ -175,7 +186,8 @@ async def link_pending(session: AsyncSession) -> set[str]:
     by_client_id = await session.execute(
         select(Reward.id, Call.id, Call.episode_id)
         .join(Call, Call.client_request_id == Reward.call_id)
-        .where(Reward.status != "linked", Reward.call_id.is_not(None))
+        .join(Episode, Episode.id == Call.episode_id)
+        .where(Reward.status != "linked", Reward.call_id.is_not(None), same_project)
         .order_by(Call.created_at)
     )
     newest = {reward_id: (call_id, episode_id) for reward_id, call_id, episode_id in by_client_id}
@@ -189,7 +201,7 @@ async def link_pending(session: AsyncSession) -> set[str]:
     by_episode = await session.execute(
         select(Reward.id, Episode.id)
         .join(Episode, Episode.id == Reward.episode_id)
-        .where(Reward.status != "linked", Reward.call_id.is_(None))
+        .where(Reward.status != "linked", Reward.call_id.is_(None), same_project)
     )
     for reward_id, episode_id in by_episode:
         await session.execute(update(Reward).where(Reward.id == reward_id).values(status="linked"))

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import aliased
 
 from storage.models import Call, Episode, Reward, TrainingRun
 
@@ -58,10 +59,14 @@ async def rewarded_episodes(
     `reward` column (derived by the policy's rule) wins over the plain mean of its reward rows.
     """
     owner = func.coalesce(Reward.episode_id, Call.episode_id)
+    target = aliased(Episode)
     counts = (
         select(owner.label("episode_id"), func.avg(Reward.value).label("mean"), func.count().label("n"))
         .select_from(Reward)
         .outerjoin(Call, Reward.call_id == Call.id)
+        .join(target, target.id == owner)
+        # Early feedback from a key of another project never counts for an episode.
+        .where(or_(Reward.project.is_(None), Reward.project == target.project))
         .group_by(owner)
         .subquery()
     )

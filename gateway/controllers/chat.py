@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 from litestar.response import Stream
 from litestar.types import Receive
 
+from gateway.auth import principal_of, requires
 from gateway.chat import ChatService
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
@@ -19,12 +20,13 @@ from gateway.rate_limits import SPENDS_TOKENS, token_meter
 
 class ChatController(Controller):
     path = "/chat/completions"
+    guards = [requires("chat")]  # noqa: RUF012
 
     @post("", status_code=200, opt={SPENDS_TOKENS: True})
     async def create(
         self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]
     ) -> Response[bytes] | Stream:
-        ctx = chat.prepare(await request.body(), request.headers)
+        ctx = chat.prepare(await request.body(), request.headers, principal_of(request))
         ctx.charge_tokens = token_meter(request.scope)
         # x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
         # client's own x-request-id is stored beside it and echoed as x-client-request-id.

@@ -12,6 +12,7 @@ from litestar.params import FromPath
 from msgspec import UNSET, Struct, UnsetType
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from gateway.auth import Principal, principal_of, requires
 from gateway.capture import CaptureSink
 from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
@@ -76,16 +77,21 @@ class EpisodeNotWritten(APIError):
 
 
 class EpisodesController(Controller):
-    path = "/episodes"
+    """Episodes of the key's project only; another project's episode is answered 404, as if unknown."""
 
-    async def _load(self, session: AsyncSession, sink: CaptureSink, episode_id: str) -> EpisodeOut:
+    path = "/episodes"
+    guards = [requires("read")]  # noqa: RUF012
+
+    async def _load(
+        self, session: AsyncSession, sink: CaptureSink, episode_id: str, principal: Principal
+    ) -> EpisodeOut:
         trajectory = await get_trajectory(session, episode_id)
-        if trajectory is not None:
+        if trajectory is not None and principal.sees(trajectory.project):
             rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
             return _out(trajectory, rewards)
         # Known to this process and not yet written; once everything is written, a missing episode was
         # deleted (retention) and is simply not found.
-        if sink.recent.episode(episode_id)[0] and sink.settling:
+        if trajectory is None and sink.recent.episode(episode_id)[0] and sink.settling:
             raise EpisodeNotWritten(
                 f"episode {episode_id!r} is still in the capture queue; retry shortly",
                 code="episode_not_written",
@@ -96,11 +102,12 @@ class EpisodesController(Controller):
     @get("/{episode_id:str}")
     async def read(
         self,
+        request: Request[Any, Any, Any],
         episode_id: FromPath[PathName],
         session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
-        return await self._load(session, sink, episode_id)
+        return await self._load(session, sink, episode_id, principal_of(request))
 
     @put("/{episode_id:str}")
     async def edit(
@@ -115,12 +122,14 @@ class EpisodesController(Controller):
             change = msgspec.json.decode(await request.body(), type=EpisodeUpdate)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidRequest(str(exc), code="invalid_value") from exc
+        principal = principal_of(request)
         found = await update_episode(
             session,
             episode_id,
             metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
             tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
+            project=None if principal.all_projects else principal.project,
         )
         if not found:
-            await self._load(session, sink, episode_id)  # raises the right 404 / 409
-        return await self._load(session, sink, episode_id)
+            await self._load(session, sink, episode_id, principal)  # raises the right 404 / 409
+        return await self._load(session, sink, episode_id, principal)

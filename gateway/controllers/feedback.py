@@ -20,5 +20,5 @@ class FeedbackController(Controller):
         self, request: Request[Any, Any, Any], feedback: NamedDependency[FeedbackService]
     ) -> Response[FeedbackResult]:
         body = await request.body()
-        signature = feedback.authenticate(request.headers, body)
-        return Response(await feedback.submit(body, signature))
+        principal, signature = feedback.authenticate(request.headers, body)
+        return Response(await feedback.submit(body, signature, principal))

@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, get, post
+from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import require_admin_key
+from gateway.auth import principal_of, requires
 from gateway.controllers.params import PathName, PolicyName, Version
 from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import create_policy_with_initial_adapter
 from gateway.settings import Settings
+from storage.audit import record_audit
 from storage.database import Database
-from storage.policies import PolicyExists, list_adapters, list_policies, promote, rollback
+from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, promote, rollback
 from trainer.policy_config import InvalidPolicyConfig
 
 
@@ -63,7 +64,7 @@ async def _view(session: AsyncSession, name: str | None = None) -> list[PolicyVi
 
 class PoliciesController(Controller):
     path = "/admin/policies"
-    guards = [require_admin_key]  # noqa: RUF012
+    guards = [requires("admin")]  # noqa: RUF012
 
     @get("")
     async def list_all(self, session: NamedDependency[AsyncSession]) -> list[PolicyView]:
@@ -97,9 +98,17 @@ class PoliciesController(Controller):
 
     @post("/{name:str}/promote", status_code=200)
     async def promote(
-        self, name: FromPath[PathName], data: JSONBody[Promote], session: NamedDependency[AsyncSession]
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        data: JSONBody[Promote],
+        session: NamedDependency[AsyncSession],
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
+        # Added first: `promote` commits, and a refusal rolls the entry back with the session.
+        await record_audit(
+            session, principal_of(request).actor, "policy.promote", name, {"version": data.version}
+        )
         try:
             await promote(session, name, data.version)
         except LookupError as exc:
@@ -108,8 +117,21 @@ class PoliciesController(Controller):
         return view
 
     @post("/{name:str}/rollback", status_code=200)
-    async def rollback(self, name: FromPath[PathName], session: NamedDependency[AsyncSession]) -> PolicyView:
+    async def rollback(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+    ) -> PolicyView:
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
+        current = await get_policy(session, name)
+        await record_audit(
+            session,
+            principal_of(request).actor,
+            "policy.rollback",
+            name,
+            {"from_version": current.active_version if current else None},
+        )
         try:
             await rollback(session, name)
         except LookupError as exc:

@@ -6,15 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Controller, get, post
+from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import require_admin_key
+from gateway.auth import principal_of, requires
 from gateway.controllers.params import PageLimit, PathName, RowId
 from gateway.errors import APIError, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
+from storage.audit import record_audit
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
 from trainer.policy_config import InvalidPolicyConfig, load_policy_config
@@ -34,7 +35,7 @@ class ScheduleView(msgspec.Struct):
 
 class RunsController(Controller):
     path = "/admin"
-    guards = [require_admin_key]  # noqa: RUF012
+    guards = [requires("admin")]  # noqa: RUF012
 
     @get("/runs")
     async def list_all(
@@ -56,46 +57,78 @@ class RunsController(Controller):
         return run
 
     @post("/policies/{name:str}/train", status_code=202)
-    async def train(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
+    async def train(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        jobs: NamedDependency[Jobs],
+        session: NamedDependency[AsyncSession],
+    ) -> Started:
         """Train now in a child process; the candidate goes through the gate. Answers with the run id."""
-        return await _start(jobs, name, "train")
+        return await _start(request, jobs, session, name, "train")
 
     @post("/policies/{name:str}/judge", status_code=202)
-    async def judge(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
+    async def judge(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        jobs: NamedDependency[Jobs],
+        session: NamedDependency[AsyncSession],
+    ) -> Started:
         """Score the policy's unscored groups now, in the background."""
-        return await _start(jobs, name, "judge")
+        return await _start(request, jobs, session, name, "judge")
 
     @post("/policies/{name:str}/retention", status_code=202)
-    async def retention(self, name: FromPath[PathName], jobs: NamedDependency[Jobs]) -> Started:
+    async def retention(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        jobs: NamedDependency[Jobs],
+        session: NamedDependency[AsyncSession],
+    ) -> Started:
         """Prune old calls and unused versions now, in the background."""
-        return await _start(jobs, name, "retention")
+        return await _start(request, jobs, session, name, "retention")
 
     @post("/policies/{name:str}/pause", status_code=200)
     async def pause(
-        self, name: FromPath[PathName], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+        jobs: NamedDependency[Jobs],
     ) -> ScheduleView:
         """Stop the policy's scheduled jobs (manual runs still work)."""
-        return await _set_paused(session, jobs, name, True)
+        return await _set_paused(request, session, jobs, name, True)
 
     @post("/policies/{name:str}/resume", status_code=200)
     async def resume(
-        self, name: FromPath[PathName], session: NamedDependency[AsyncSession], jobs: NamedDependency[Jobs]
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+        jobs: NamedDependency[Jobs],
     ) -> ScheduleView:
         """Restart the policy's scheduled jobs."""
-        return await _set_paused(session, jobs, name, False)
+        return await _set_paused(request, session, jobs, name, False)
 
 
-async def _start(jobs: Jobs, name: str, kind: JobKind) -> Started:
+async def _start(
+    request: Request[Any, Any, Any], jobs: Jobs, session: AsyncSession, name: str, kind: JobKind
+) -> Started:
     try:
         run_id = await jobs.runner.start(name, kind)
     except LookupError as exc:
         raise NotFound(str(exc), param="name", code="policy_not_found") from exc
     except JobBusy as exc:
         raise APIError(str(exc), code="job_running", status_code=409) from exc
+    # The run row is written by the runner in a session of its own; the entry names it.
+    await record_audit(session, principal_of(request).actor, f"run.{kind}", name, {"run_id": run_id})
     return Started(run_id, name, kind)
 
 
-async def _set_paused(session: AsyncSession, jobs: Jobs, name: str, paused: bool) -> ScheduleView:
+async def _set_paused(
+    request: Request[Any, Any, Any], session: AsyncSession, jobs: Jobs, name: str, paused: bool
+) -> ScheduleView:
     policy = await get_policy(session, name)
     if policy is None:
         raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
@@ -105,6 +138,8 @@ async def _set_paused(session: AsyncSession, jobs: Jobs, name: str, paused: bool
         raise invalid_policy_config(exc) from exc
     stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
     await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
+    action = "policy.pause" if paused else "policy.resume"
+    await record_audit(session, principal_of(request).actor, action, name)
     await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own
     await jobs.sync()
     return ScheduleView(name, schedule.model_copy(update={"paused": paused}).model_dump(mode="json"))

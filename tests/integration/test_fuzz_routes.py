@@ -22,7 +22,7 @@ MAX_BODY = 64 * 1024
 API_KEY = "sk-fuzz"
 ADMIN_KEY = "admin-fuzz"
 DEEP = 990  # deeper than the decoders' recursion allows
-TABLES = ("calls", "rewards", "episodes", "policies", "adapters", "training_runs")
+TABLES = ("calls", "rewards", "episodes", "policies", "adapters", "training_runs", "api_keys", "audit")
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,29 @@ ROUTES = [
         reads_only=True,
     ),
     Route("GET", "/admin/runs/{run_id}", ADMIN_KEY, params={"run_id": "1"}),
+    Route(
+        "POST",
+        "/admin/keys",
+        ADMIN_KEY,
+        {"name": "fuzz", "scopes": ["chat"]},
+        {
+            "name": [None, 5, "", "nul\u0000", "x" * 200],
+            "scopes": ["chat", [], ["root"], [5], None],
+            "project": [5, "", "nul\u0000"],
+            "models": ["x", [5]],
+        },
+        required=("name", "scopes"),
+    ),
+    Route("GET", "/admin/keys", ADMIN_KEY, reads_only=True),
+    Route("DELETE", "/admin/keys/{key_id}", ADMIN_KEY, params={"key_id": "key_none"}),
+    Route("POST", "/admin/keys/{key_id}/revoke", ADMIN_KEY, params={"key_id": "key_none"}),
+    Route(
+        "GET",
+        "/admin/audit",
+        ADMIN_KEY,
+        query={"limit": ["abc", "-1", "0", "99999999999999999999999", "1e400", ""]},
+        reads_only=True,
+    ),
 ]
 
 
