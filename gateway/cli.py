@@ -78,6 +78,23 @@ def configure_logging(level: str) -> None:
     )
 
 
+async def _has_managed_keys(database_url: str) -> bool:
+    """Whether the database holds managed keys (then the gateway is not open, whatever the environment says).
+
+    A database that does not exist or is not migrated yet holds none."""
+    from storage.database import Database
+    from storage.keys import list_keys
+
+    database = Database(database_url)
+    try:
+        async with database.session() as session:
+            return bool(await list_keys(session))
+    except Exception:  # no file, no table, unreachable: no managed keys to rely on
+        return False
+    finally:
+        await database.dispose()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -89,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings(args)
     configure_logging(settings.log_level)
     refusal = open_exposure(settings)
-    if refusal is not None:
+    if refusal is not None and not asyncio.run(_has_managed_keys(settings.database_url)):
         log.error("%s", refusal)
         return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,8 @@ def open_exposure(settings: Settings) -> str | None:
         return None
     return (
         f"refusing to serve on {settings.host}: it is reachable from other machines and no API keys are set, "
-        "so anyone could call the model and read captured conversations. Set KAIZEN_API_KEYS, bind "
+        "so anyone could call the model and read captured conversations. Set KAIZEN_API_KEYS (or create a "
+        "managed key with `kaizen keys create`), bind "
         "KAIZEN_HOST=127.0.0.1, or set KAIZEN_ALLOW_OPEN=true to serve openly on purpose."
     )
 

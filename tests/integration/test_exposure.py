@@ -16,6 +16,8 @@ from gateway.settings import Settings
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
+from tests.support.polling import wait_until
+from tests.support.postgres import free_port
 from tests.support.scripted_upstream import ScriptedUpstream
 
 MakeGateway = Callable[..., GatewayServer]
@@ -60,6 +62,44 @@ def test_serve_refuses_a_public_address_without_keys(tmp_path: Path) -> None:
     assert "refusing to serve on 0.0.0.0" in output and "KAIZEN_API_KEYS" in output
     assert "KAIZEN_ALLOW_OPEN=true" in output
     assert not (tmp_path / "data").exists()  # refused before touching anything
+
+
+def test_serve_on_a_public_address_with_managed_keys_starts(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    data = ["--data-dir", str(tmp_path / "data")]
+    created = subprocess.run(
+        [sys.executable, "-m", "gateway", "keys", "create", "app", *data],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert created.returncode == 0, created.stderr
+    port = free_port()
+    engine = ["--engine", "upstream", "--upstream-url", upstream.url, "--no-scheduler"]
+    command = [sys.executable, "-m", "gateway", "serve", "--host", "0.0.0.0", "--port", str(port), *engine]
+    process = subprocess.Popen(
+        [*command, *data], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def healthy() -> bool:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(healthy, "the gateway to serve on 0.0.0.0", timeout_s=120)
+        # Closed by the managed key: a call without it is refused.
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 401
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.parametrize(
