@@ -17,9 +17,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ from storage.records import CallRecord
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long the storing thread may wait for the interpreter lock once its I/O is done (CPython's default is 5 ms).
+_SWITCH_INTERVAL_S = 0.0005
 
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OperationalError, PoolTimeout, OSError, TimeoutError)
 
@@ -276,7 +280,9 @@ class CaptureSink:
         self.fsync_s = fsync_ms / 1000
         self.drain_timeout_s = drain_timeout_s
         self.database_up = True
-        self._queue: asyncio.Queue[tuple[CallRecord, int]] = asyncio.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        # (record, log segment, monotonic time it was submitted): the oldest one's age decides when to write.
+        self._queue: deque[tuple[CallRecord, int, float]] = deque()
         self._wake = asyncio.Event()  # the queue went from empty to non-empty, or the sink is stopping
         self._full = asyncio.Event()  # a whole batch is waiting, or the sink is stopping
         self._closing = False
@@ -288,6 +294,7 @@ class CaptureSink:
         self._store_loop: asyncio.AbstractEventLoop | None = None
         self._store_thread: threading.Thread | None = None
         self._store_database: Database | None = None
+        self._switch_interval_s: float | None = None  # the process's own, restored when the thread stops
 
     # ------------------------------------------------------------------ request path
     def submit(self, record: CallRecord) -> None:
@@ -304,16 +311,15 @@ class CaptureSink:
                     self.stats.log_failures,
                 )
             segment = -1
-        try:
-            self._queue.put_nowait((record, segment))
-        except asyncio.QueueFull:
+        if len(self._queue) >= self.queue_size:
             self._spool([record])
             self._settle([segment])
             return
+        self._queue.append((record, segment, time.monotonic()))
         self.stats.queued += 1
         self._unsettled += 1
         self._wake.set()
-        if self._queue.qsize() >= self.batch_size:
+        if len(self._queue) >= self.batch_size:
             self._full.set()
 
     @property
@@ -375,6 +381,11 @@ class CaptureSink:
         On the serving loop every await of the writer waited behind every in-flight request: under load a batch
         of ~350 rows took ~900 ms there (measured, SQLite, c32), and the backlog grew past the flush window.
         """
+        # After each of a batch's ~10 round trips the thread needs the interpreter lock back, and while the serving
+        # thread is busy it waited up to the switch interval each time: 50-75 ms per batch under load (c32,
+        # 2 cores), most of the capture backlog. A shorter interval only costs while both threads want to run.
+        self._switch_interval_s = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval_s, _SWITCH_INTERVAL_S))
         loop = asyncio.new_event_loop()
         self._store_loop = loop
         self._store_database = Database(self.database.url)
@@ -391,6 +402,9 @@ class CaptureSink:
         await asyncio.to_thread(thread.join)
         loop.close()
         self._store_loop = self._store_thread = self._store_database = None
+        if self._switch_interval_s is not None:
+            sys.setswitchinterval(self._switch_interval_s)
+            self._switch_interval_s = None
 
     async def _on_store_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         assert self._store_loop is not None
@@ -434,18 +448,23 @@ class CaptureSink:
 
     async def _run(self) -> None:
         while True:
-            if self._queue.empty():
+            if not self._queue:
                 if self._closing:
                     return
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.retry_s)
-            if 0 < self._queue.qsize() < self.batch_size and not self._closing:
-                self._full.clear()  # collect a batch for up to the flush window
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), self.flush_s)
-            batch = [self._queue.get_nowait() for _ in range(min(self.batch_size, self._queue.qsize()))]
-            records = [record for record, _ in batch]
+            if 0 < len(self._queue) < self.batch_size and not self._closing:
+                # Collect until the oldest record is a flush window old (or a batch is full). The window counts
+                # from its submission, not from now: what arrived while the last batch was being written has
+                # waited already, and under load goes out as soon as the writer is free.
+                wait_s = self._queue[0][2] + self.flush_s - time.monotonic()
+                if wait_s > 0:
+                    self._full.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), wait_s)
+            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+            records = [record for record, _, _ in batch]
             try:
                 if records:
                     await self._write_or_spool(records)
@@ -456,7 +475,7 @@ class CaptureSink:
                 self._spool(records)
             finally:
                 # Written, spooled or counted dropped: the log no longer needs these records.
-                self._settle(segment for _, segment in batch)
+                self._settle(segment for _, segment, _ in batch)
                 self._unsettled -= len(batch)
 
     async def _sync_loop(self) -> None:
@@ -543,7 +562,7 @@ class CaptureSink:
     def snapshot(self) -> dict[str, Any]:
         return {
             **asdict(self.stats),
-            "queue_depth": self._queue.qsize(),
+            "queue_depth": len(self._queue),
             "log_unsettled": self.wal.unsettled,
             "log_bytes": self.wal.size_bytes(),
             "spool_bytes": self.spool.size_bytes(),
