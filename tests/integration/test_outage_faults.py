@@ -290,20 +290,22 @@ def test_client_leaving_before_the_reply_is_recorded_as_a_disconnect(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
     gw = make_gateway(database_url)
-    call_id = "left-" + uuid.uuid4().hex[:12]
+    client_id = "left-" + uuid.uuid4().hex[:12]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             gw.url + "/v1/chat/completions",
             json={"model": "scripted-1", "messages": [{"role": "user", "content": "#slow 1500 hi"}]},
-            headers={"x-request-id": call_id},
+            headers={"x-request-id": client_id},
             timeout=httpx.Timeout(10, read=0.3),
         )
 
     def recorded() -> bool:
         gw.flush()
-        return bool(query(database_url, "SELECT id FROM calls WHERE id = :i", i=call_id))
+        return bool(query(database_url, "SELECT id FROM calls WHERE client_request_id = :i", i=client_id))
 
     wait_for(recorded, 30, "the abandoned call to be recorded")
-    [row] = query(database_url, "SELECT status, response FROM calls WHERE id = :i", i=call_id)
+    [row] = query(
+        database_url, "SELECT status, response FROM calls WHERE client_request_id = :i", i=client_id
+    )
     assert row["status"] == "client_disconnected"
     assert row["response"] is None
