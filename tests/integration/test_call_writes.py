@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
 from sqlalchemy import select
@@ -16,6 +17,7 @@ from storage.database import Database
 from storage.models import Call, Episode
 from storage.records import CallRecord
 from storage.schema import upgrade_database
+from tests.support.postgres import PostgresServer
 
 
 def record(call_id: str, episode_id: str, created_at: float) -> CallRecord:
@@ -72,12 +74,11 @@ def test_a_replayed_batch_is_stored_once_and_positions_continue(database_url: st
     asyncio.run(scenario())
 
 
-def test_copy_of_a_stored_id_is_refused_as_a_database_error(database_url: str) -> None:
-    """Should a call id be stored between the batch's check and its COPY, the COPY fails the way a refused
-    INSERT does (a DBAPIError), so the capture writer retries record by record instead of losing the batch."""
-    if database_url.startswith("sqlite"):
-        pytest.skip("COPY is the PostgreSQL path")
-    url = async_database_url(database_url)
+def test_copy_of_a_stored_id_is_refused_as_a_database_error(postgres: PostgresServer) -> None:
+    """Should a call id be stored between the batch's check and its COPY (the PostgreSQL path), the COPY fails
+    the way a refused INSERT does (a DBAPIError), so the capture writer retries record by record instead of
+    losing the batch."""
+    url = async_database_url(postgres.create_database("t_" + uuid.uuid4().hex[:12]))
 
     async def scenario() -> None:
         await upgrade_database(url)
