@@ -79,7 +79,7 @@ bench-startup: install
 # Sustained load at concurrency 32 through a real `kaizen serve` child, on SQLite and PostgreSQL, beside a direct
 # baseline: req/s, latency, capture backlog, drain time and memory growth.
 bench-sustained: install
-	$(BIN)/python -m tests.bench.bench_sustained --out tests/bench/results/sustained.json
+	$(BIN)/python -m tests.bench.bench_sustained --seconds 30 --out tests/bench/results/sustained.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
