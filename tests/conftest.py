@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.settings import Settings, async_database_url
+from gateway.settings import Settings
 from tests.support.gateway_server import GatewayServer
 from tests.support.postgres import PostgresServer, find_bin_dir, free_port
 from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.sql import fetch_rows
 
 
 @pytest.fixture(scope="session")
@@ -49,17 +48,7 @@ def upstream() -> Iterator[ScriptedUpstream]:
 
 def query(url: str, sql: str, **params: Any) -> list[dict[str, Any]]:
     """Run a SQL query against a database the way a user would, and return plain dicts."""
-
-    async def run() -> list[dict[str, Any]]:
-        engine = create_async_engine(async_database_url(url))
-        try:
-            async with engine.connect() as conn:
-                result = await conn.execute(text(sql), params)
-                return [dict(row._mapping) for row in result]
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(run())
+    return asyncio.run(fetch_rows(url, sql, **params))
 
 
 @pytest.fixture

@@ -33,8 +33,9 @@ import aiohttp
 
 from gateway.serve_process import GatewayProcess
 from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
-from tests.support.child_gateway import rss_bytes, sql, upstream_gateway
+from tests.support.child_gateway import rss_bytes, upstream_gateway
 from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+from tests.support.sql import fetch_rows
 
 logger = logging.getLogger("bench_sustained")
 
@@ -109,7 +110,7 @@ async def load(
 
 
 async def row_count(database_url: str) -> int:
-    [row] = await sql(database_url, "SELECT COUNT(*) AS n FROM calls")
+    [row] = await fetch_rows(database_url, "SELECT COUNT(*) AS n FROM calls")
     return int(row["n"])
 
 

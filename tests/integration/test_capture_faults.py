@@ -20,8 +20,10 @@ from openai import AsyncOpenAI
 
 from gateway.serve_process import GatewayProcess
 from gateway.signing import sign
-from tests.support.child_gateway import kill, poll, sql, start, terminate, upstream_gateway
+from tests.support.child_gateway import kill, start, terminate, upstream_gateway
+from tests.support.polling import poll
 from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.sql import fetch_rows
 
 CALLS = 400
 CONCURRENCY = 16
@@ -86,7 +88,7 @@ def message_text(request: Any) -> str:
 
 
 async def stored_calls(database_url: str) -> list[dict[str, Any]]:
-    rows = await sql(database_url, "SELECT * FROM calls")
+    rows = await fetch_rows(database_url, "SELECT * FROM calls")
     for row in rows:
         row["text"] = message_text(row["request"])
     return rows
@@ -179,7 +181,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(gateway: GatewayProcess
             return answered_ids <= {row["id"] for row in await stored_calls(database_url)}
 
         replayed = await poll(all_stored, REPLAY_TIMEOUT_S)
-        rewards = await sql(database_url, "SELECT idempotency_key FROM rewards")
+        rewards = await fetch_rows(database_url, "SELECT idempotency_key FROM rewards")
         return load, replayed, await stored_calls(database_url), rewards
 
     load, replayed, rows, rewards = asyncio.run(scenario())

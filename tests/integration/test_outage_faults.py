@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
+from tests.support.polling import wait_until
 from tests.support.postgres import PostgresServer, free_port
 from tests.support.upstream_process import UpstreamProcess
 
@@ -28,14 +29,6 @@ log = logging.getLogger(__name__)
 MakeGateway = Callable[..., GatewayServer]
 ADMIN_KEY = "admin-faults"
 CONCURRENCY = 8
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def client(gw: GatewayServer, timeout_s: float = 20.0) -> openai.OpenAI:
@@ -96,7 +89,7 @@ def assert_each_answered_call_stored_once(gw: GatewayServer, url: str, answered:
             return False
         return query(url, "SELECT count(*) AS n FROM calls")[0]["n"] >= len(answered)
 
-    wait_for(replayed, 90, "the capture spool to be replayed")
+    wait_until(replayed, "the capture spool to be replayed", timeout_s=90)
     rows = query(url, "SELECT id, count(*) AS n FROM calls GROUP BY id")
     log.info("%d calls answered, %d rows in calls", len(answered), sum(row["n"] for row in rows))
     assert all(row["n"] == 1 for row in rows)
@@ -138,10 +131,10 @@ def test_postgres_stopped_and_restarted_under_load(
     load = Load(gw)
     answered_during: int
     try:
-        wait_for(lambda: load.count() >= 20, 60, "calls before the outage")
+        wait_until(lambda: load.count() >= 20, "calls before the outage", timeout_s=60)
         with stopped(postgres):
             at_stop = load.count()
-            wait_for(lambda: load.count() >= at_stop + 30, 60, "calls answered during the outage")
+            wait_until(lambda: load.count() >= at_stop + 30, "calls answered during the outage", timeout_s=60)
             answered_during = load.count() - at_stop
             ready = httpx.get(gw.url + "/readyz", timeout=30)
             assert ready.status_code == 200, ready.text
@@ -182,12 +175,16 @@ def test_sqlite_locked_under_load(make_gateway: MakeGateway, tmp_path: Path) -> 
     gw.flush()
     load = Load(gw)
     try:
-        wait_for(lambda: load.count() >= 20, 60, "calls before the lock")
+        wait_until(lambda: load.count() >= 20, "calls before the lock", timeout_s=60)
         lock = sqlite3.connect(path, timeout=30, isolation_level=None)
         lock.execute("BEGIN EXCLUSIVE")
         try:
             at_lock = load.count()
-            wait_for(lambda: load.count() >= at_lock + 30, 60, "calls answered while the database is locked")
+            wait_until(
+                lambda: load.count() >= at_lock + 30,
+                "calls answered while the database is locked",
+                timeout_s=60,
+            )
             answered_during = load.count() - at_lock
             assert httpx.get(gw.url + "/readyz", timeout=30).status_code == 200
         finally:
@@ -261,7 +258,7 @@ def test_engine_killed_mid_stream(
             return False
         return True
 
-    wait_for(serves, 60, "calls to succeed once the engine is back")
+    wait_until(serves, "calls to succeed once the engine is back", timeout_s=60)
     gw.flush()
     rows = query(database_url, "SELECT id, status FROM calls")
     killed = [row for row in rows if row["id"] in outcomes]
@@ -303,7 +300,7 @@ def test_client_leaving_before_the_reply_is_recorded_as_a_disconnect(
         gw.flush()
         return bool(query(database_url, "SELECT id FROM calls WHERE client_request_id = :i", i=client_id))
 
-    wait_for(recorded, 30, "the abandoned call to be recorded")
+    wait_until(recorded, "the abandoned call to be recorded", timeout_s=30)
     [row] = query(
         database_url, "SELECT status, response FROM calls WHERE client_request_id = :i", i=client_id
     )

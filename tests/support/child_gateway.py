@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
-
-from sqlalchemy import text
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway.serve_process import GatewayProcess
-from gateway.settings import async_database_url
 
 
 def upstream_gateway(
@@ -62,25 +55,3 @@ def rss_bytes(gateway: GatewayProcess) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS line in /proc/<pid>/status")
-
-
-async def sql(database_url: str, statement: str, **params: Any) -> list[dict[str, Any]]:
-    """Rows of one query, read the way an operator would (a separate connection, not the gateway's)."""
-    engine = create_async_engine(async_database_url(database_url))
-    try:
-        async with engine.connect() as conn:
-            result = await conn.execute(text(statement), params)
-            return [dict(row._mapping) for row in result]
-    finally:
-        await engine.dispose()
-
-
-async def poll(check: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Re-run `check` until it holds or the deadline passes; returns whether it held."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if await check():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(interval_s)
