@@ -26,6 +26,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DEFAULT_PROJECT = "default"
 """The project of the environment's keys, and of everything captured before projects existed."""
+EPISODE_SOURCE_TRAFFIC = "traffic"
+"""The source of an episode made of calls through the gateway; tools that write episodes name their own."""
 
 
 def utcnow() -> datetime:
@@ -77,6 +79,10 @@ class Episode(Base):
     # The project of the key that created it: only keys of that project (and admin keys) see or reward it.
     project: Mapped[str] = mapped_column(
         String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
+    )
+    # Where the episode came from: `traffic` (calls through the gateway), or the tool that wrote it.
+    source: Mapped[str] = mapped_column(
+        String(32), default=EPISODE_SOURCE_TRAFFIC, server_default=EPISODE_SOURCE_TRAFFIC, index=True
     )
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     tags: Mapped[list[Any]] = mapped_column(default=list)
