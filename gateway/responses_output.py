@@ -300,10 +300,16 @@ def to_builtins(response: Response) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- streams
 
 
+_EVENT_LINES: dict[type, bytes] = {}
+
+
 def encode_event(event: ResponseStreamEvent) -> bytes:
     """One server-sent event, named by its type as OpenAI names its events."""
-    kind = type(event).__struct_config__.tag
-    return b"event: " + str(kind).encode() + b"\ndata: " + _encode(event) + b"\n\n"
+    kind = type(event)
+    line = _EVENT_LINES.get(kind)
+    if line is None:
+        line = _EVENT_LINES[kind] = b"event: " + str(kind.__struct_config__.tag).encode() + b"\ndata: "
+    return line + _encode(event) + b"\n\n"
 
 
 @dataclass
