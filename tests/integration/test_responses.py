@@ -200,6 +200,26 @@ def test_streamed_tool_calls_and_an_engine_failure(make_gateway: MakeGateway, da
     assert [r["status"] for r in calls(gw, database_url)] == ["ok", "error"]
     assert len(rows(database_url, "SELECT id FROM responses")) == 1  # a failed response is not stored
 
+    # An engine error before any output is the HTTP answer, in OpenAI's shape, with the call's ids.
+    refused = httpx.post(gw.url + "/v1/responses", json={"model": "scripted-1", "input": "#error 503"})
+    assert refused.status_code == 503 and refused.headers["x-request-id"]
+    validate("ErrorResponse", refused.json())
+
+    # A client that leaves mid-stream: the partial reply is recorded as such, and no response is stored.
+    body = {"model": "scripted-1", "input": "#long 30 #slow 100", "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/responses", json=body, timeout=10) as response:
+        left = response.headers["x-request-id"]
+        for line in response.iter_lines():  # leave at the first text delta
+            if line == "event: response.output_text.delta":
+                break
+    wait_until(
+        lambda: bool(rows(database_url, "SELECT id FROM calls WHERE id = :id", id=left)), "the call row"
+    )
+    [row] = rows(database_url, "SELECT * FROM calls WHERE id = :id", id=left)
+    assert row["status"] == "client_disconnected"
+    assert row["response"]["choices"][0]["message"]["content"].startswith("w0")
+    assert len(rows(database_url, "SELECT id FROM responses")) == 1
+
 
 def test_a_function_call_loop_by_previous_response_id_is_one_episode(
     make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream
