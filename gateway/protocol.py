@@ -348,6 +348,13 @@ class FunctionCallOutputItem(Struct, kw_only=True):
     status: ItemStatus | None = None
 
 
+class ReasoningInputItem(Struct, kw_only=True):
+    """`ReasoningItem` sent back: accepted and left out of the conversation (no chat equivalent)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str | None = None
+
+
 class ItemReference(Struct, kw_only=True):
     """`ItemReferenceParam`: an item of a stored response, named by its id."""
 
@@ -570,14 +577,14 @@ class ResponseDeleted(Struct):
     deleted: bool = True
 
 
-class ResponseItemList(Struct):
+class ResponseItemList(Struct, kw_only=True):
     """`ResponseItemList`: the input items of a stored response (stored as the item resources they are)."""
 
+    object: Literal["list"] = "list"
     data: list[dict[str, Any]]
+    has_more: bool
     first_id: str
     last_id: str
-    has_more: bool
-    object: Literal["list"] = "list"
 
 
 # Stream events (`ResponseStreamEvent` variants), each with its `sequence_number`.

@@ -118,7 +118,7 @@ class ResponsesService:
         """The stored items that `item_reference` inputs name, by id (of responses the key's project sees)."""
         found: dict[str, ResolvedItem] = {}
         responses: dict[str, KnownResponse | None] = {}
-        for index, item_id in enumerate(references(items)):
+        for index, item_id in references(items):
             call_id = call_id_of(item_id)
             item: dict[str, Any] | None = None
             if call_id is not None:

@@ -33,6 +33,7 @@ from gateway.protocol import (
     InputTextPart,
     ItemReference,
     OutputTextPart,
+    ReasoningInputItem,
     RefusalOutputPart,
     ResponsesFunctionTool,
     TextFormatJsonObject,
@@ -62,16 +63,15 @@ _CHAT_ONLY_FIELDS = frozenset(
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
-InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference
+InputItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference | ReasoningInputItem
 ResolvedItem = InputMessageItem | FunctionCallItem | FunctionCallOutputItem
 _ITEM_TYPES: dict[str, type[InputItem]] = {
     "message": InputMessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
     "item_reference": ItemReference,
+    "reasoning": ReasoningInputItem,  # carries nothing a chat-completions engine can use: left out
 }
-# Item types that carry nothing a chat-completions engine can use, dropped from the conversation.
-_DROPPED_TYPES = frozenset({"reasoning"})
 
 
 def _invalid(exc: msgspec.ValidationError, prefix: str = "") -> InvalidRequest:
@@ -142,14 +142,11 @@ def parse_items(raw: str | list[dict[str, Any]]) -> list[InputItem]:
         kind = item.get("type")
         if kind is None:
             kind = "message" if "role" in item else "item_reference" if "id" in item else None
-        if kind in _DROPPED_TYPES:
-            log.debug("dropping a %s input item: it has no chat-completions equivalent", kind)
-            continue
         model = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
         if model is None:
             raise InvalidRequest(
                 f"input items of type {kind!r} are not supported (supported: message, function_call, "
-                "function_call_output, item_reference)",
+                "function_call_output, item_reference, reasoning)",
                 param=f"input[{index}].type",
                 code="unsupported_value",
             )
@@ -157,9 +154,9 @@ def parse_items(raw: str | list[dict[str, Any]]) -> list[InputItem]:
     return items
 
 
-def references(items: Sequence[InputItem]) -> list[str]:
-    """Ids of the stored items the input refers to."""
-    return [item.id for item in items if isinstance(item, ItemReference)]
+def references(items: Sequence[InputItem]) -> list[tuple[int, str]]:
+    """(position, id) of the stored items the input refers to."""
+    return [(index, item.id) for index, item in enumerate(items) if isinstance(item, ItemReference)]
 
 
 # ----------------------------------------------------------------------------- messages
@@ -260,9 +257,9 @@ def to_messages(
 
     for index, given in enumerate(items):
         param = f"input[{index}]"
-        item: InputItem = given
-        if isinstance(given, ItemReference):
-            item = referenced[given.id]
+        if isinstance(given, ReasoningInputItem):
+            continue
+        item = referenced[given.id] if isinstance(given, ItemReference) else given
         if isinstance(item, InputMessageItem) and item.role == "assistant":
             content, refusal = _assistant_text(item.content, param)
             if assistant is None or "tool_calls" in assistant:
@@ -328,6 +325,8 @@ def translate_tools(request: CreateResponseRequest) -> ChatTools:
         tools.append(convert(raw, ResponsesFunctionTool, f"tools[{index}]"))
     names = [tool.name for tool in tools]
     choice = request.tool_choice
+    if choice == "required" and not tools:
+        raise InvalidRequest("tool_choice `required` needs tools", param="tool_choice", code="invalid_value")
     chat_choice: str | dict[str, Any] | None = None
     offered = tools
     if isinstance(choice, str):
@@ -385,12 +384,12 @@ def chat_body(
 ) -> dict[str, Any]:
     """The chat-completions request; translated fields win over extras of the same name."""
     body: dict[str, Any] = {**extras, "model": request.model, "messages": messages}
-    if tools.chat_tools:
+    if tools.chat_tools:  # without tools, `none` and `auto` mean nothing, and engines refuse them
         body["tools"] = tools.chat_tools
         if request.parallel_tool_calls is not None:
             body["parallel_tool_calls"] = request.parallel_tool_calls
-    if tools.chat_tool_choice is not None:
-        body["tool_choice"] = tools.chat_tool_choice
+        if tools.chat_tool_choice is not None:
+            body["tool_choice"] = tools.chat_tool_choice
     fmt = response_format(request)
     if fmt is not None:
         body["response_format"] = fmt
@@ -438,6 +437,8 @@ def item_resources(
     client's, or one made from the call id and the item's position)."""
     resources = []
     for index, given in enumerate(items):
+        if isinstance(given, ReasoningInputItem):
+            continue
         item = referenced[given.id] if isinstance(given, ItemReference) else given
         item_id = item.id or f"in_{call_id}_{index}"
         if isinstance(item, InputMessageItem):

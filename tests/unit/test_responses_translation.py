@@ -166,6 +166,16 @@ def test_parameters_map_onto_chat_and_extras_pass() -> None:
         ({"model": "m", "input": "x", "tools": [{"type": "mcp"}]}, "tools[0].type"),
         ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
         ({"model": "m", "input": "x", "n": 2}, "n"),
+        (
+            {
+                "model": "m",
+                "input": [
+                    {"type": "reasoning", "id": "rs_1", "summary": []},
+                    {"role": "user", "content": [{"type": "input_image", "file_id": "f"}]},
+                ],
+            },
+            "input[1].content[0].image_url",
+        ),
     ],
 )
 def test_what_has_no_chat_equivalent_is_refused_by_name(body: dict[str, Any], param: str) -> None:
