@@ -4,15 +4,22 @@ their chains across replicas, the calls and episodes they become, feedback, proj
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel
+from sqlalchemy import update
 
+from gateway.settings import async_database_url
+from storage.database import Database
+from storage.models import Call
+from storage.retention import prune_calls
 from tests.conftest import query
 from tests.integration.test_feedback import add_policy
 from tests.support.gateway_server import GatewayServer
@@ -617,6 +624,31 @@ def test_stored_responses_are_redacted_like_their_calls(make_gateway: MakeGatewa
     assert "jane.roe" not in text and text.count("[EMAIL]") == 2
     follow = client.responses.create(model="scripted-1", input="and?", previous_response_id=created.id)
     assert follow.output_text == "echo: and?"
+
+
+def test_retention_removes_a_stored_response_with_its_call(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url)
+    old = sdk(gw).responses.create(model="scripted-1", input="old")
+    new = sdk(gw).responses.create(model="scripted-1", input="new")
+    gw.flush()
+
+    async def prune() -> tuple[int, int]:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                long_ago = datetime.now(UTC) - timedelta(days=40)
+                call_id = old.id.removeprefix("resp_")
+                await session.execute(update(Call).where(Call.id == call_id).values(created_at=long_ago))
+                pruned = await prune_calls(session, None, datetime.now(UTC) - timedelta(days=30))
+                await session.commit()
+                return pruned
+        finally:
+            await database.dispose()
+
+    assert asyncio.run(prune())[0] == 1
+    assert [r["id"] for r in rows(database_url, "SELECT id FROM responses")] == [new.id]
 
 
 BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
