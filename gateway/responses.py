@@ -36,6 +36,7 @@ from gateway.responses_output import (
     ResponseEvents,
     ResponseShape,
     call_id_of,
+    captured_reply,
     encode,
     encode_event,
     from_captured,
@@ -147,7 +148,7 @@ class ResponsesService:
         body = to_builtins(from_captured(shape, captured))
         input_items = item_resources(items, referenced, ctx.call_id)
         skip = 1 if shape.request.instructions is not None else 0
-        conversation = [*ctx.body["messages"][skip:], captured.response["choices"][0]["message"]]
+        conversation = [*ctx.body["messages"][skip:], captured_reply(captured)["message"]]
         redactor = self.chat.router.redactor(ctx.route.policy)
         if redactor is not None:
             body, input_items, conversation = redactor.value([body, input_items, conversation])

@@ -256,11 +256,13 @@ def _final(
 
 def from_completion(shape: ResponseShape, completion: ChatCompletion) -> Response:
     """The response of a non-streamed call, from the conformant chat completion the engine's answer became."""
+    usage = response_usage(completion.usage if isinstance(completion.usage, Usage) else None)
+    if not completion.choices:  # an engine that answered no choice answered nothing
+        return _final(shape, None, usage, content=None, refusal=None, tool_calls=[])
     choice = completion.choices[0]
     message = choice.message
     calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
     logprobs = _logprobs(_entries(choice.logprobs)) if shape.logprobs else None
-    usage = response_usage(completion.usage if isinstance(completion.usage, Usage) else None)
     return _final(
         shape,
         choice.finish_reason,
@@ -272,9 +274,15 @@ def from_completion(shape: ResponseShape, completion: ChatCompletion) -> Respons
     )
 
 
+def captured_reply(captured: Captured) -> dict[str, Any]:
+    """The choice a response is made of; an engine that answered no choice answered an empty message."""
+    choices = captured.response.get("choices") or []
+    return dict(choices[0]) if choices else {"message": {"role": "assistant", "content": None}}
+
+
 def from_captured(shape: ResponseShape, captured: Captured) -> Response:
     """The response as it is stored, from what capture keeps of the reply (no logprobs)."""
-    choice = captured.response["choices"][0]
+    choice = captured_reply(captured)
     message = choice["message"]
     calls = [
         (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []

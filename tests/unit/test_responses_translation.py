@@ -9,7 +9,9 @@ import msgspec
 import pytest
 
 from gateway.errors import InvalidRequest
+from gateway.normalize import Captured
 from gateway.protocol import (
+    ChatCompletion,
     ChatCompletionChunk,
     ChunkChoice,
     Delta,
@@ -25,7 +27,14 @@ from gateway.responses_input import (
     to_messages,
     translate_tools,
 )
-from gateway.responses_output import ResponseEvents, ResponseShape, call_id_of, to_builtins
+from gateway.responses_output import (
+    ResponseEvents,
+    ResponseShape,
+    call_id_of,
+    from_captured,
+    from_completion,
+    to_builtins,
+)
 from tests.support.openai_schema import validate
 
 CALL = "0" * 31 + "1"
@@ -287,3 +296,12 @@ def test_a_reply_cut_at_the_limit_is_incomplete_and_a_failure_is_failed() -> Non
     failed = msgspec.to_builtins(broken.fail("the engine went away"))
     validate("ResponseStreamEvent", failed)
     assert failed["response"]["error"] == {"code": "server_error", "message": "the engine went away"}
+
+
+def test_an_engine_that_answers_no_choice_gives_an_empty_message() -> None:
+    shape = ResponseShape(CALL, 1, parse_request({"model": "m", "input": "x"}), [], logprobs=False)
+    empty = ChatCompletion("c", 0, "m", [])
+    for response in (from_completion(shape, empty), from_captured(shape, Captured(response={"choices": []}))):
+        body = to_builtins(response)
+        validate("Response", body)
+        assert body["status"] == "completed" and body["output"][0]["content"][0]["text"] == ""
