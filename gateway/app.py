@@ -27,6 +27,7 @@ from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
 from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
+from gateway.controllers.responses import ResponsesController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
@@ -35,6 +36,8 @@ from gateway.feedback import FeedbackService
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
+from gateway.responses import ResponsesService
+from gateway.responses_store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
@@ -53,6 +56,7 @@ class Services:
     router: ModelRouter
     sink: CaptureSink
     chat: ChatService
+    responses: ResponsesService
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
@@ -143,6 +147,12 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
     )
+    responses = ResponsesService(
+        chat,
+        ResponseStore(
+            database, cache_size=settings.responses_cache_size, read_wait_s=settings.responses_read_wait_s
+        ),
+    )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
         database,
@@ -155,7 +165,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         redactor=router.redactor,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys)
+    return Services(settings, database, engine, router, sink, chat, responses, feedback, jobs, keys)
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -298,7 +308,7 @@ def create_app(services: Services) -> Litestar:
     limiter = limiter_from_settings(settings)
     v1 = Router(
         path="/v1",
-        route_handlers=[ChatController, ModelsController, EpisodesController],
+        route_handlers=[ChatController, ResponsesController, ModelsController, EpisodesController],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
     return Litestar(
@@ -314,6 +324,7 @@ def create_app(services: Services) -> Litestar:
         ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
+            "responses": Provide(lambda: services.responses, sync_to_thread=False, use_cache=True),
             "router": Provide(lambda: services.router, sync_to_thread=False, use_cache=True),
             "sink": Provide(lambda: services.sink, sync_to_thread=False, use_cache=True),
             "database": Provide(lambda: services.database, sync_to_thread=False, use_cache=True),

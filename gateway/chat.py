@@ -10,7 +10,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +22,12 @@ from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from storage.calls import recent_stitch_keys
 from storage.database import Database
-from storage.records import CallRecord
+from storage.records import CallRecord, ResponseRecord
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class CallContext:
     principal: Principal
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
+    # For a `/v1/responses` call with `store`: given the captured reply of a served call, the response object
+    # to store beside the call (already redacted: it goes to the capture log as it is).
+    store_response: Callable[[Captured], ResponseRecord | None] | None = None
 
 
 def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -100,6 +103,10 @@ class ChatService:
     def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
         started = time.perf_counter()
+        return self.prepare_body(self.decode(raw_body), headers, principal, started=started)
+
+    def decode(self, raw_body: bytes) -> dict[str, Any]:
+        """The JSON object of a request body; refused while shutting down, when too large or not an object."""
         if self.sink.closing:
             raise APIError(
                 "the gateway is shutting down; retry on another replica or after it restarts",
@@ -118,6 +125,20 @@ class ChatService:
             raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def prepare_body(
+        self,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        principal: Principal,
+        *,
+        started: float,
+        continues: str | None = None,
+    ) -> CallContext:
+        """`prepare` for a decoded body (also the chat request a `/v1/responses` call is translated into).
+
+        `continues`: the episode this call continues when the client names none (a `previous_response_id`)."""
         try:
             request = msgspec.convert(body, ChatCompletionRequest)
         except msgspec.ValidationError as exc:
@@ -131,7 +152,10 @@ class ChatService:
         messages = body["messages"]
         # Conversations of different projects never stitch into one episode: the project seeds the hashes.
         hashes = ConversationHashes.of(messages, principal.project)
-        episode = assign_episode(headers.get("x-episode-id"), request.metadata, hashes, self.stitch)
+        header_episode = headers.get("x-episode-id")
+        if header_episode is None and continues is not None and "episode_id" not in (request.metadata or {}):
+            header_episode = continues
+        episode = assign_episode(header_episode, request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
         return CallContext(
             call_id=new_id(),
@@ -191,6 +215,10 @@ class ChatService:
 
     async def complete(self, ctx: CallContext) -> bytes:
         """Non-streamed call: the encoded conformant response, returned only once the call is durably logged."""
+        return _encode(await self.answer(ctx))
+
+    async def answer(self, ctx: CallContext) -> ChatCompletion:
+        """`complete`, before encoding."""
         await self._acquire(ctx)
         try:
             raw = await self.engine.chat(self._engine_body(ctx))
@@ -209,13 +237,33 @@ class ChatService:
         finally:
             self.router.release(ctx.route)
         self._record(ctx, captured, status="ok", error=None, ttft=None)
-        return _encode(completion)
+        return completion
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
         """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay.
 
         The relay records the call before it sends the final event (`[DONE]` or the error), so a client that
         saw the end of its stream has a durably logged call."""
+        chunks = await self.stream_chunks(ctx)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield b"data: " + _encode(chunk) + b"\n\n"
+            except APIError as exc:
+                yield b"data: " + _encode(exc.body()) + b"\n\n"
+                return
+            finally:
+                await chunks.aclose()  # on a client disconnect, records the partial reply
+            yield _DONE
+
+        return relay()
+
+    async def stream_chunks(self, ctx: CallContext) -> AsyncGenerator[ChatCompletionChunk, None]:
+        """Open the engine stream (errors raise here) and return its conformant chunks.
+
+        The call is recorded when the chunks end: before the iteration stops, before an engine failure is
+        raised to the consumer as `APIError`, and when the consumer closes it early (a client disconnect)."""
         await self._acquire(ctx)
         try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
@@ -231,7 +279,7 @@ class ChatService:
             keep_usage=include_usage,
         )
 
-        async def relay() -> AsyncIterator[bytes]:
+        async def chunks() -> AsyncGenerator[ChatCompletionChunk, None]:
             status, error, ttft = "client_disconnected", None, None
             try:
                 async for raw in engine_stream:
@@ -240,18 +288,18 @@ class ChatService:
                         continue
                     if ttft is None and assembler.first_content_seen:
                         ttft = time.perf_counter() - ctx.started
-                    yield b"data: " + _encode(chunk) + b"\n\n"
+                    yield chunk
                 status = "ok"
             except APIError as exc:
                 status, error = "error", exc
+                raise
             finally:
-                # Runs on a client disconnect too (the relay is closed at its `yield`): the partial reply counts.
+                # Runs on a client disconnect too (the consumer closes us at our `yield`): the partial reply counts.
                 await engine_stream.close()
                 self.router.release(ctx.route)
                 self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
-            yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
 
-        return relay()
+        return chunks()
 
     # ------------------------------------------------------------------ capture
     def _record(
@@ -270,6 +318,9 @@ class ChatService:
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
             self.stitch.remember(stitch_keys, ctx.episode_id)
+        stored_response = None
+        if ctx.store_response is not None and captured is not None and status == "ok":
+            stored_response = ctx.store_response(captured)
         if not ctx.capture:
             self.sink.opt_out()
             return
@@ -311,6 +362,7 @@ class ChatService:
             key_id=ctx.principal.key_id,
             project=ctx.principal.project,
             created_at=time.time(),
+            stored_response=stored_response,
         )
         redactor = self.router.redactor(ctx.route.policy)
         if redactor is not None:  # before the capture log: nothing unredacted reaches the disk

@@ -34,6 +34,7 @@ from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
 from gateway.redaction import Redactor
+from gateway.responses_store import RESPONSE_ID
 from gateway.signing import Signature, SignatureError, verify
 from storage.calls import find_call
 from storage.database import Database
@@ -299,6 +300,8 @@ class FeedbackService:
                 code="invalid_target",
             )
         if item.request_id is not None:
+            if RESPONSE_ID.match(ident):  # a `/v1/responses` id names its call: `resp_<call id>`
+                ident = ident.removeprefix("resp_")
             # A server id names its call; a client's own id names the newest call that carried it.
             call_id = self.recent.newest(ident) or ident
             stored = await find_call(session, call_id)

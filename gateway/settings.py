@@ -195,6 +195,20 @@ class Settings(BaseSettings):
         100_000, ge=0, description="Recent conversation tails kept in memory for prefix stitching."
     )
 
+    # --- responses API
+    responses_cache_size: int = Field(
+        2_000,
+        ge=0,
+        description="Stored `/v1/responses` answers each replica keeps in memory, with their conversation, "
+        "to continue `previous_response_id` chains and answer reads without the database.",
+    )
+    responses_read_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="How long a read of a stored response that SQL does not hold yet (created a moment ago on "
+        "another replica, still in its capture queue) retries before answering 404.",
+    )
+
     # --- rewards
     feedback_secret: str = Field(
         "",

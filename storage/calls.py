@@ -18,7 +18,7 @@ from sqlalchemy import JSON, CompoundSelect, DateTime, bindparam, false, func, n
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from storage.models import Base, Call, Episode, StitchKey
+from storage.models import Base, Call, Episode, StitchKey, StoredResponse
 from storage.records import CallRecord
 
 # Statements built once with expanding parameters: the capture writer runs them for every batch, and building
@@ -74,7 +74,7 @@ _SQLITE_MAX_VARIABLES = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 
 
 _CONVERTERS = {
     (model.__tablename__, dialect): _converters(model, dialect)
-    for model in (Call, Episode, StitchKey)
+    for model in (Call, Episode, StitchKey, StoredResponse)
     for dialect in ("sqlite", "postgresql")
 }
 
@@ -255,8 +255,25 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         await _insert_many(
             connection, StitchKey, keys, conflict="(hash) DO UPDATE SET episode_id = excluded.episode_id"
         )
+    await _insert_many(connection, StoredResponse, _response_rows(fresh), conflict="DO NOTHING")
     await session.commit()
     return len(call_rows)
+
+
+def _response_rows(records: Sequence[CallRecord]) -> list[dict[str, Any]]:
+    """Rows of `responses` for the `/v1/responses` calls of a batch that asked to be stored."""
+    return [
+        {
+            "id": stored.id,
+            "call_id": r.id,
+            "previous_response_id": stored.previous_response_id,
+            "body": stored.body,
+            "input_items": stored.input_items,
+            "created_at": datetime.fromtimestamp(r.created_at, UTC),
+        }
+        for r in records
+        if (stored := r.stored_response) is not None
+    ]
 
 
 async def _keep_projects_apart(session: AsyncSession, records: Sequence[CallRecord]) -> None:

@@ -127,6 +127,21 @@ class Call(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
+class StoredResponse(Base):
+    """A `POST /v1/responses` answer kept for `GET /v1/responses/{id}` and `previous_response_id` (the API's
+    `store`, on by default). Written by the capture writer in the transaction of its call; the conversation a
+    continuation extends is that call's messages plus its reply, and its episode and project are the call's."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # `resp_<call id>`
+    call_id: Mapped[str] = mapped_column(String(64), index=True)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    body: Mapped[dict[str, Any]] = mapped_column()  # the Response object, without logprobs
+    input_items: Mapped[list[Any]] = mapped_column()  # the request's input items, with their ids
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
 class StitchKey(Base):
     """Index for prefix stitching: the hash of `messages + reply` of a call points at its episode."""
 

@@ -9,6 +9,16 @@ import msgspec
 from storage.models import DEFAULT_PROJECT
 
 
+class ResponseRecord(msgspec.Struct, kw_only=True):
+    """A `/v1/responses` object stored beside its call (`store`), so `GET /v1/responses/{id}` and
+    `previous_response_id` find it on any replica and after a restart."""
+
+    id: str  # `resp_<call id>`
+    body: dict[str, Any]  # the Response object as the client got it (without logprobs)
+    input_items: list[dict[str, Any]]  # this request's input, as item resources with ids
+    previous_response_id: str | None = None
+
+
 class CallRecord(msgspec.Struct, kw_only=True):
     """A completed call as the gateway saw it, ready to be written (or spooled) without touching the database.
 
@@ -46,3 +56,4 @@ class CallRecord(msgspec.Struct, kw_only=True):
     key_id: str | None = None  # the API key that sent it
     project: str = DEFAULT_PROJECT  # its key's project: a new episode belongs to it
     created_at: float
+    stored_response: ResponseRecord | None = None  # written to `responses` in the call's transaction

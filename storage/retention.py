@@ -18,7 +18,7 @@ from sqlalchemy import ColumnElement, delete, exists, or_, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
-from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey
+from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey, StoredResponse
 from storage.policies import AdapterInfo, list_adapters
 
 _CHUNK = 500
@@ -39,7 +39,8 @@ async def prune_calls(session: AsyncSession, policy: str | None, before: datetim
     """Delete the policy's calls created before `before` (None: the calls no policy row owns), then the
     episodes left without calls.
 
-    Rewards of what is deleted go with it. Returns (calls, episodes) deleted; the caller commits.
+    Rewards and stored responses of what is deleted go with it. Returns (calls, episodes) deleted; the caller
+    commits.
     """
     call_ids = list(
         (
@@ -50,6 +51,7 @@ async def prune_calls(session: AsyncSession, policy: str | None, before: datetim
     )
     for chunk in _chunks(call_ids):
         await session.execute(delete(Reward).where(Reward.call_id.in_(chunk)))
+        await session.execute(delete(StoredResponse).where(StoredResponse.call_id.in_(chunk)))
         await session.execute(delete(Call).where(Call.id.in_(chunk)))
     episode_ids = list(
         (

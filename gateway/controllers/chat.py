@@ -13,7 +13,7 @@ from litestar.response import Stream
 from litestar.types import Receive
 
 from gateway.auth import principal_of, requires
-from gateway.chat import ChatService
+from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
 
@@ -28,27 +28,32 @@ class ChatController(Controller):
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers, principal_of(request))
         ctx.charge_tokens = token_meter(request.scope)
-        # x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
-        # client's own x-request-id is stored beside it and echoed as x-client-request-id.
-        # x-kaizen-model: what actually served the call (`policy@N` for a policy), so clients can tell versions apart.
-        headers = {
-            "x-request-id": ctx.call_id,
-            "x-episode-id": ctx.episode_id,
-            "x-kaizen-model": ctx.route.engine_model,
-        }
-        if ctx.client_request_id is not None:
-            headers["x-client-request-id"] = ctx.client_request_id
+        headers = call_headers(ctx)
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)
                 return Stream(
                     relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
                 )
-            reply = await _unless_disconnected(chat.complete(ctx), request.receive)
+            reply = await unless_disconnected(chat.complete(ctx), request.receive)
             return Response(reply, media_type="application/json", headers=headers)
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
             exc.headers.update(headers)
             raise
+
+
+def call_headers(ctx: CallContext) -> dict[str, str]:
+    """x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
+    client's own x-request-id is stored beside it and echoed as x-client-request-id. x-kaizen-model: what
+    actually served the call (`policy@N` for a policy), so clients can tell versions apart."""
+    headers = {
+        "x-request-id": ctx.call_id,
+        "x-episode-id": ctx.episode_id,
+        "x-kaizen-model": ctx.route.engine_model,
+    }
+    if ctx.client_request_id is not None:
+        headers["x-client-request-id"] = ctx.client_request_id
+    return headers
 
 
 class ClientDisconnected(APIError):
@@ -62,7 +67,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(work: Awaitable[bytes], receive: Receive) -> bytes:
+async def unless_disconnected(work: Awaitable[bytes], receive: Receive) -> bytes:
     """Await `work`, cancelling it if the client disconnects first (the body is already read, so the next
     ASGI message can only be the disconnect). Streams get this from Litestar; a non-streamed call would
     otherwise run to the end and be recorded as a served reply nobody received."""

@@ -22,7 +22,17 @@ MAX_BODY = 64 * 1024
 API_KEY = "sk-fuzz"
 ADMIN_KEY = "admin-fuzz"
 DEEP = 990  # deeper than the decoders' recursion allows
-TABLES = ("calls", "rewards", "episodes", "policies", "adapters", "training_runs", "api_keys", "audit")
+TABLES = (
+    "calls",
+    "rewards",
+    "episodes",
+    "policies",
+    "adapters",
+    "training_runs",
+    "api_keys",
+    "audit",
+    "responses",
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,37 @@ ROUTES = [
         },
         required=("model", "messages"),
     ),
+    Route(
+        "POST",
+        "/v1/responses",
+        API_KEY,
+        {"model": "scripted-1", "input": "hi"},
+        {
+            "model": [12, None, "", "no-such-model", ["scripted-1"]],
+            "input": [[], 5, None, [1], [{"type": "nope"}], [{"role": "wizard", "content": "x"}]],
+            "instructions": [5, ["x"]],
+            "tools": [{"type": "function"}, [{"type": "function"}], [{"type": "web_search"}]],
+            "tool_choice": ["sometimes", {"type": "function"}, {"type": "function", "name": "nope"}],
+            "text": ["x", {"format": {"type": "json_schema"}}],
+            "max_output_tokens": [0, 15, 10**30, 1e400, "ten"],
+            "temperature": [-1, 10**30, "hot"],
+            "previous_response_id": [5, "", "resp_none", "nul\u0000"],
+            "include": ["x", ["everything"]],
+            "metadata": [[], {"k": 5}],
+            "stream": ["yes", 1],
+            "user": ["nul\u0000"],
+        },
+        required=("model", "input"),
+    ),
+    Route("GET", "/v1/responses/{response_id}", API_KEY, params={"response_id": "resp_none"}),
+    Route(
+        "GET",
+        "/v1/responses/{response_id}/input_items",
+        API_KEY,
+        params={"response_id": "resp_none"},
+        query={"limit": ["abc", "-1", "0", "101", "1e400", ""], "order": ["up", ""]},
+    ),
+    Route("DELETE", "/v1/responses/{response_id}", API_KEY, params={"response_id": "resp_none"}),
     Route(
         "POST",
         "/v1/feedback",

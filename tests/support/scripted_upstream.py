@@ -5,11 +5,14 @@ behaviour in the request itself and needs no mocks:
 
 - no directive: content ``"echo: <last user text>"``, finish_reason ``stop``;
 - ``#tool`` / ``#tools2``: one / two parallel ``get_weather`` tool calls, finish_reason ``tool_calls``;
+- ``#json TEXT``: the content is TEXT (words joined by single spaces), e.g. a JSON object for structured output;
 - ``#long N``: N words (``w0 w1 ...``) so streams have many chunks;
 - ``#slow MS``: wait MS ms before answering (streams: before every chunk after the first);
 - ``#error STATUS``: that HTTP status with an error body;
 - ``#garbage``: status 200 with a body that is not valid JSON (or SSE);
 - ``#hang``: never answers.
+
+A tool result after the last user message stands in for it, so a tool loop ends with ``"echo: <result>"``.
 
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
@@ -89,6 +92,7 @@ class Script:
     error_status: int | None = None
     garbage: bool = False
     hang: bool = False
+    json_text: str | None = None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,7 +116,10 @@ def parse_script(text: str) -> Script:
             garbage = True
         else:
             hang = True
-    return Script(tool_calls, long_words, slow_ms, error_status, garbage, hang)
+    _, json_directive, json_text = text.partition("#json ")
+    return Script(
+        tool_calls, long_words, slow_ms, error_status, garbage, hang, json_text if json_directive else None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +152,9 @@ def generate(last_user_text: str, choices: int, max_tokens: int | None) -> tuple
             pieces, ids = _tokenise(raw.split())
             outputs.append(Generation(pieces, ids, None, calls, "tool_calls"))
             continue
-        if script.long_words is not None:
+        if script.json_text is not None:
+            words = script.json_text.split()
+        elif script.long_words is not None:
             words = [f"w{i}" for i in range(script.long_words)]
         else:
             words = ["echo:", *last_user_text.split()]
@@ -216,7 +225,9 @@ def parse_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array")
-    last_user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+    last_user = next(
+        (m for m in reversed(messages) if isinstance(m, dict) and m.get("role") in ("user", "tool")), None
+    )
     max_tokens = _int_field(body, "max_completion_tokens", None, 0, 1 << 30)
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", None, 0, 1 << 30)

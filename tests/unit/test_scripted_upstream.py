@@ -119,6 +119,23 @@ def test_tool_calls(upstream: ScriptedUpstream, directive: str, cities: list[str
     assert len({c.id for c in calls}) == len(cities)
 
 
+def test_json_directive_and_tool_results_script_the_reply(client: httpx.Client) -> None:
+    reply = client.post("/chat/completions", json=chat('#json {"city": "Paris", "days": 3}')).json()
+    assert json.loads(reply["choices"][0]["message"]["content"]) == {"city": "Paris", "days": 3}
+    messages = [
+        {"role": "user", "content": "#tool"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    reply = client.post("/chat/completions", json={"model": "scripted-1", "messages": messages}).json()
+    assert reply["choices"][0]["message"]["content"] == "echo: sunny"
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
 def test_streamed_tool_calls_assemble_through_the_sdk(upstream: ScriptedUpstream) -> None:
     sdk = openai.OpenAI(base_url=upstream.url, api_key="unused")
     stream = sdk.chat.completions.create(
