@@ -25,6 +25,7 @@ from gateway.controllers.chat import ChatController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
+from gateway.controllers.metrics import MetricsController
 from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
 from gateway.controllers.runs import RunsController
@@ -32,6 +33,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.exposure import cors_config, json_bodies_only
 from gateway.feedback import FeedbackService
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -56,6 +58,7 @@ class Services:
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
+    metrics: GatewayMetrics | None = None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -135,6 +138,11 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         segment_bytes=settings.capture_segment_bytes,
         drain_timeout_s=settings.capture_drain_timeout_s,
     )
+    metrics = (
+        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink)
+        if settings.metrics
+        else None
+    )
     chat = ChatService(
         engine,
         router,
@@ -142,6 +150,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_body_bytes=settings.max_body_bytes,
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
+        metrics=metrics.calls if metrics is not None else None,
     )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
@@ -153,9 +162,10 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         grace_s=settings.feedback_grace_s,
         link_interval_s=settings.feedback_link_interval_s,
         redactor=router.redactor,
+        on_stored=metrics.calls.feedback_items if metrics is not None else None,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys)
+    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys, metrics)
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -311,6 +321,7 @@ def create_app(services: Services) -> Litestar:
             AuditController,
             PoliciesController,
             RunsController,
+            *([MetricsController] if services.metrics is not None else []),
         ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
@@ -323,6 +334,7 @@ def create_app(services: Services) -> Litestar:
             "feedback": Provide(lambda: services.feedback, sync_to_thread=False, use_cache=True),
             "jobs": Provide(lambda: services.jobs, sync_to_thread=False, use_cache=True),
             "keys": Provide(lambda: services.keys, sync_to_thread=False, use_cache=True),
+            "metrics": Provide(lambda: services.metrics, sync_to_thread=False, use_cache=True),
         },
         state=State({"key_ring": services.keys}),
         exception_handlers={

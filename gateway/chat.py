@@ -21,6 +21,7 @@ from gateway.capture import CaptureSink
 from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
+from gateway.metrics import CallMetrics
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import ChatCompletionRequest
 from gateway.redaction import redact_call
@@ -74,6 +75,7 @@ class ChatService:
         max_body_bytes: int,
         max_n: int,
         stitch_cache_size: int,
+        metrics: CallMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.router = router
@@ -81,6 +83,7 @@ class ChatService:
         self.max_body_bytes = max_body_bytes
         self.max_n = max_n
         self.stitch = StitchCache(stitch_cache_size)
+        self.metrics = metrics
 
     async def warm(self, database: Database) -> None:
         """Load recent conversation tails so stitching survives a restart without a database lookup per call."""
@@ -99,6 +102,15 @@ class ChatService:
     # ------------------------------------------------------------------ validation
     def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
+        try:
+            ctx = self._prepare(raw_body, headers, principal)
+        except APIError as exc:
+            if self.metrics is not None:
+                self.metrics.reject(exc.code)
+            raise
+        return ctx
+
+    def _prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         started = time.perf_counter()
         if self.sink.closing:
             raise APIError(
@@ -263,10 +275,22 @@ class ChatService:
         error: APIError | None,
         ttft: float | None,
     ) -> None:
+        latency_s = time.perf_counter() - ctx.started
         stitch_keys: list[str] = []
-        if ctx.charge_tokens is not None and captured is not None and captured.usage:
-            usage = captured.usage
+        usage = captured.usage if captured is not None and captured.usage else None
+        if ctx.charge_tokens is not None and usage is not None:
             ctx.charge_tokens(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
+        if self.metrics is not None:
+            self.metrics.call(
+                ctx.request.model,
+                ctx.route.engine_model,
+                status,
+                bool(ctx.request.stream),
+                latency_s,
+                ttft,
+                int(usage.get("prompt_tokens") or 0) if usage is not None else 0,
+                int(usage.get("completion_tokens") or 0) if usage is not None else 0,
+            )
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
             self.stitch.remember(stitch_keys, ctx.episode_id)
@@ -298,7 +322,7 @@ class ChatService:
             completion_token_ids=captured.completion_token_ids if captured else None,
             completion_logprobs=captured.completion_logprobs if captured else None,
             usage=captured.usage if captured else None,
-            latency_ms=(time.perf_counter() - ctx.started) * 1000,
+            latency_ms=latency_s * 1000,
             ttft_ms=ttft * 1000 if ttft is not None else None,
             status=status,
             error={"status": error.status_code, "message": error.message, "code": error.code}

@@ -291,6 +291,24 @@ class Settings(BaseSettings):
         "into `<data_dir>/redaction.key`.",
     )
 
+    # --- observability: Prometheus metrics
+    metrics: bool = Field(
+        True,
+        description="Serve Prometheus metrics at /metrics (calls, latency, tokens, capture, feedback, judge, "
+        "runs, versions, engine); off: nothing is counted on the request path.",
+    )
+    metrics_key: str = Field(
+        "",
+        description="Bearer token a scraper sends to /metrics (an admin key works too). Empty: /metrics is "
+        "open when KAIZEN_HOST is a loopback address and needs an admin key otherwise.",
+    )
+    metrics_db_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="Least time between two reads of the database figures /metrics reports (active versions, "
+        "stored rewards, judge groups and cost, job runs); scrapes in between get the last ones.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
