@@ -40,6 +40,7 @@ from gateway.redaction import load_redaction_key
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from gateway.tracing import CallTracer, build_tracer
 from storage.database import Database
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Services:
     jobs: Jobs
     keys: KeyRing
     metrics: GatewayMetrics | None = None
+    tracer: CallTracer | None = None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -143,6 +145,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         if settings.metrics
         else None
     )
+    tracer = build_tracer(settings)
     chat = ChatService(
         engine,
         router,
@@ -151,6 +154,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
         metrics=metrics.calls if metrics is not None else None,
+        tracer=tracer,
     )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
@@ -165,7 +169,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         on_stored=metrics.calls.feedback_items if metrics is not None else None,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys, metrics)
+    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys, metrics, tracer)
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -300,6 +304,8 @@ def create_app(services: Services) -> Litestar:
             await services.router.stop()
             await services.keys.stop()
             await services.sink.stop()
+            if services.tracer is not None:  # the last calls' spans go out before the process ends
+                services.tracer.shutdown()
             await services.engine.close()
             await services.database.dispose()
 

@@ -26,6 +26,7 @@ from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import ChatCompletionRequest
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
+from gateway.tracing import TRACE_HEADERS, CallTracer
 from storage.calls import recent_stitch_keys
 from storage.database import Database
 from storage.records import CallRecord
@@ -57,6 +58,8 @@ class CallContext:
     principal: Principal
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
+    # The app's trace context (`traceparent`, `tracestate`), kept only when calls are traced.
+    trace_parent: dict[str, str] | None = None
 
 
 def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -76,6 +79,7 @@ class ChatService:
         max_n: int,
         stitch_cache_size: int,
         metrics: CallMetrics | None = None,
+        tracer: CallTracer | None = None,
     ) -> None:
         self.engine = engine
         self.router = router
@@ -84,6 +88,7 @@ class ChatService:
         self.max_n = max_n
         self.stitch = StitchCache(stitch_cache_size)
         self.metrics = metrics
+        self.tracer = tracer
 
     async def warm(self, database: Database) -> None:
         """Load recent conversation tails so stitching survives a restart without a database lookup per call."""
@@ -108,6 +113,8 @@ class ChatService:
             if self.metrics is not None:
                 self.metrics.reject(exc.code)
             raise
+        if self.tracer is not None:
+            ctx.trace_parent = {name: headers[name] for name in TRACE_HEADERS if name in headers}
         return ctx
 
     def _prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
@@ -340,3 +347,5 @@ class ChatService:
         if redactor is not None:  # before the capture log: nothing unredacted reaches the disk
             record = redact_call(record, redactor)
         self.sink.submit(record)
+        if self.tracer is not None:
+            self.tracer.record(record, ctx.trace_parent)
