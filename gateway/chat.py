@@ -347,5 +347,5 @@ class ChatService:
         if redactor is not None:  # before the capture log: nothing unredacted reaches the disk
             record = redact_call(record, redactor)
         self.sink.submit(record)
-        if self.tracer is not None:
-            self.tracer.record(record, ctx.trace_parent)
+        if self.tracer is not None:  # built on the loop's next turn: the answer does not wait for it
+            asyncio.get_running_loop().call_soon(self.tracer.record, record, ctx.trace_parent)
