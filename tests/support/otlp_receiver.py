@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import gzip
 import logging
-import socket
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+from tests.support.background_server import BackgroundServer
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,7 @@ class OtlpReceiver:
     host: str = "127.0.0.1"
     port: int = 0
     spans: list[ReceivedSpan] = field(default_factory=list)
-    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
-    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
-    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _server: BackgroundServer | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -129,28 +127,16 @@ class OtlpReceiver:
         return list(self.spans)
 
     def start(self) -> OtlpReceiver:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        loop = asyncio.new_event_loop()
-        runner = web.AppRunner(build_app(self.spans), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
-        self._loop, self._runner = loop, runner
-        self._thread = threading.Thread(target=loop.run_forever, name=f"otlp-{self.port}", daemon=True)
-        self._thread.start()
+        self._server = BackgroundServer(
+            web.AppRunner(build_app(self.spans), access_log=None), self.host, self.port, "otlp"
+        )
+        self.port = self._server.start()
         return self
 
     def stop(self) -> None:
-        loop, runner, thread = self._loop, self._runner, self._thread
-        if loop is None or runner is None or thread is None:
-            return
-        self._loop = self._runner = self._thread = None
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
     def __enter__(self) -> OtlpReceiver:
         return self.start()
