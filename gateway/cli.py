@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from gateway.dataset_commands import add_export_arguments, add_import_arguments
 from gateway.judge_command import add_judge_arguments
 from gateway.settings import Settings
 
@@ -400,6 +401,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from gateway.dataset_commands import run_export
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    return run_export(settings, args)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from gateway.dataset_commands import run_import
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    return run_import(settings, args)
+
+
 def cmd_settings(_: argparse.Namespace) -> int:
     sys.stdout.write(settings_table() + "\n")
     return 0
@@ -542,6 +559,24 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--limit", type=int, default=100)
     add_settings_flags(audit)
     audit.set_defaults(func=cmd_audit)
+
+    export = commands.add_parser(
+        "export",
+        help="Write episodes (messages, tools, rewards, provenance) to Parquet or JSON lines, in Kaizen's schema "
+        "or OpenAI's fine-tuning chat format; streamed, with a progress bar.",
+    )
+    add_export_arguments(export)
+    add_settings_flags(export)
+    export.set_defaults(func=cmd_export)
+
+    importing = commands.add_parser(
+        "import",
+        help="Store conversations (OpenAI chat JSON lines, optionally rewarded) as episodes of a policy "
+        "(source `import`); validated first, idempotent.",
+    )
+    add_import_arguments(importing)
+    add_settings_flags(importing)
+    importing.set_defaults(func=cmd_import)
 
     settings = commands.add_parser(
         "settings", help="Print every setting with its default, as a Markdown table."

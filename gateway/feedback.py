@@ -164,6 +164,7 @@ class FeedbackService:
         grace_s: float,
         link_interval_s: float,
         redactor: Callable[[str | None], Redactor | None] = lambda _: None,
+        on_stored: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.database = database
         self.recent = recent
@@ -175,6 +176,7 @@ class FeedbackService:
         self.redactor = (
             redactor  # the policy's, as the capture path uses it: comments are stored redacted too
         )
+        self.on_stored = on_stored  # told the status of every accepted item (metrics)
         self._task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ authentication
@@ -207,13 +209,15 @@ class FeedbackService:
                     )
                 result = await self._store(session, items, batched, principal)
                 await session.commit()
-                return result
         except (OperationalError, OSError, ConnectionError) as exc:
             raise self._unavailable(exc) from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
                 raise self._unavailable(exc) from exc
             raise
+        if self.on_stored is not None:
+            self.on_stored(["duplicate" if item.duplicate else item.status for item in result.items])
+        return result
 
     @staticmethod
     def _unavailable(exc: BaseException) -> APIError:

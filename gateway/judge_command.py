@@ -18,7 +18,7 @@ _RELATIVE = re.compile(r"^(\d+)([mhdw])$")
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
-def parse_since(value: str, now: datetime | None = None) -> datetime:
+def parse_since(value: str, now: datetime | None = None, flag: str = "--since") -> datetime:
     """`24h`, `7d`, `30m`, `2w` (ago), or an ISO date/time (UTC when it names no zone)."""
     match = _RELATIVE.match(value.strip())
     if match:
@@ -27,7 +27,7 @@ def parse_since(value: str, now: datetime | None = None) -> datetime:
     try:
         parsed = datetime.fromisoformat(value.strip())
     except ValueError as exc:
-        raise ValueError(f"--since: expected e.g. 24h, 7d or 2026-01-31T00:00, got {value!r}") from exc
+        raise ValueError(f"{flag}: expected e.g. 24h, 7d or 2026-01-31T00:00, got {value!r}") from exc
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 

@@ -305,6 +305,47 @@ class Settings(BaseSettings):
         "into `<data_dir>/redaction.key`.",
     )
 
+    # --- observability: Prometheus metrics and OpenTelemetry traces
+    metrics: bool = Field(
+        True,
+        description="Serve Prometheus metrics at /metrics (calls, latency, tokens, capture, feedback, judge, "
+        "runs, versions, engine); off: nothing is counted on the request path.",
+    )
+    metrics_key: str = Field(
+        "",
+        description="Bearer token a scraper sends to /metrics (an admin key works too). Empty: /metrics is "
+        "open when KAIZEN_HOST is a loopback address and needs an admin key otherwise.",
+    )
+    metrics_db_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="Least time between two reads of the database figures /metrics reports (active versions, "
+        "stored rewards, judge groups and cost, job runs); scrapes in between get the last ones.",
+    )
+    otel_traces: bool = Field(
+        False,
+        description="Export a span of every captured chat call over OTLP/HTTP (OpenTelemetry GenAI semantic "
+        "conventions), for Langfuse, Phoenix, Datadog or a collector. Off: OpenTelemetry is not even imported.",
+    )
+    otel_endpoint: str = Field(
+        "",
+        description="OTLP/HTTP base URL spans are sent to (`/v1/traces` is appended), e.g. "
+        "`http://127.0.0.1:4318`. Empty: OpenTelemetry's OTEL_EXPORTER_OTLP_* variables, else localhost:4318.",
+    )
+    otel_headers: str = Field(
+        "",
+        description="Headers sent with every export, `key=value` comma-separated, values URL-encoded (e.g. "
+        "`Authorization=Basic%20…` for Langfuse). Empty: OTEL_EXPORTER_OTLP_HEADERS.",
+    )
+    otel_service_name: str = Field(
+        "kaizen", description="The `service.name` resource attribute of the spans."
+    )
+    otel_content: bool = Field(
+        False,
+        description="Put the conversation on each span (`gen_ai.input.messages`, `gen_ai.output.messages`), as "
+        "stored: after the policy's redaction. Off: ids, models, parameters and token counts only.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

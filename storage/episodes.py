@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import DEFAULT_PROJECT, Call, Episode, Reward
+from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC, Call, Episode, Reward
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Turn:
     finish_reason: str | None
     usage: dict[str, Any] | None
     created_at: datetime
+    adapter_version: int | None = None  # the policy version that served it
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Trajectory:
     reward_provenance: dict[str, Any] | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    source: str = EPISODE_SOURCE_TRAFFIC
+    tools: list[dict[str, Any]] | None = None  # the tools offered with `messages`' last request
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form handed to reward functions and scoring webhooks."""
@@ -90,6 +93,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
                 Call.usage,
                 Call.context_hash,
                 Call.created_at,
+                Call.adapter_version,
             )
             .where(Call.episode_id.in_(episode_ids))
             .order_by(Call.episode_id, Call.position)
@@ -105,17 +109,30 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
         for row in rows:
             message, finish = _reply(row.response)
             turns.append(
-                Turn(row.id, row.position, row.model, row.status, message, finish, row.usage, row.created_at)
+                Turn(
+                    row.id,
+                    row.position,
+                    row.model,
+                    row.status,
+                    message,
+                    finish,
+                    row.usage,
+                    row.created_at,
+                    row.adapter_version,
+                )
             )
         messages: list[dict[str, Any]] = []
+        tools: list[dict[str, Any]] | None = None
         answered = [
             (row, turn.message) for row, turn in zip(rows, turns, strict=True) if turn.message is not None
         ]
         if answered:
             last_row, last_reply = answered[-1]
             messages = [*last_row.request.get("messages", []), last_reply]
+            tools = last_row.request.get("tools")
         elif rows:
             messages = list(rows[-1].request.get("messages", []))
+            tools = rows[-1].request.get("tools")
         result[episode.id] = Trajectory(
             episode_id=episode.id,
             messages=messages,
@@ -130,6 +147,8 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
             reward_provenance=episode.reward_provenance,
             created_at=episode.created_at,
             updated_at=episode.updated_at,
+            source=episode.source,
+            tools=tools or None,
         )
     return result
 

@@ -30,6 +30,8 @@ class EngineStream(ABC):
 class Engine(ABC):
     name: str
     capabilities: EngineCapabilities
+    #: Times the gateway restarted this engine after it died (a supervised vLLM); 0 for the others.
+    restarts: int = 0
 
     async def start(self) -> None:
         """Acquire resources (connection pools, a supervised server process)."""

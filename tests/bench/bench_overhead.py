@@ -11,6 +11,13 @@ checks the harness itself: the added latency should be about zero.
 
 ``--privacy mask`` (or ``hash``) stores the model as a policy whose `privacy` section redacts calls, to measure
 what redaction adds (compare with a run without it; ``--prompt`` sets what is scanned).
+
+``--variant NAME:KEY=VALUE,...`` (repeatable) starts one gateway per variant, each with those settings on top
+of the others, and alternates all of them with the direct target in the same rounds: an A/B of settings under
+the same load (e.g. ``--variant off:KAIZEN_METRICS=false --variant on:KAIZEN_METRICS=true``). A variant with
+``KAIZEN_OTEL_TRACES=true`` exports to an OTLP receiver the benchmark starts. Every gateway's CPU time is
+sampled around its batches: ``cpu_us_per_request`` is a cost that other load on the machine inflates far less
+than latency.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 
 logger = logging.getLogger("bench_overhead")
 
@@ -52,6 +60,7 @@ class Target:
     name: str
     chat_url: str
     health_url: str
+    pid: int = 0  # a process whose CPU time is charged to this target's batches (0: none)
 
 
 @dataclass
@@ -61,19 +70,22 @@ class Samples:
     latencies_s: list[float] = field(default_factory=list)
     errors: int = 0
     busy_s: float = 0.0
+    cpu_s: float = 0.0  # CPU time of the target's process during its batches
     batch_rates: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
         ordered = sorted(self.latencies_s)
         ok = len(ordered)
+        requests = ok + self.errors
         return {
-            "requests": ok + self.errors,
+            "requests": requests,
             "errors": self.errors,
             "p50_ms": percentile(ordered, 50) * 1000,
             "p90_ms": percentile(ordered, 90) * 1000,
             "p99_ms": percentile(ordered, 99) * 1000,
             "mean_ms": (sum(ordered) / ok * 1000) if ok else math.nan,
             "req_per_s": ok / self.busy_s if self.busy_s else math.nan,
+            "cpu_us_per_request": self.cpu_s / requests * 1e6 if self.cpu_s and requests else math.nan,
         }
 
 
@@ -180,9 +192,13 @@ async def run_batch(
             else:
                 into.errors += 1
 
+    process = psutil.Process(target.pid) if target.pid else None
+    cpu_before = sum(process.cpu_times()[:2]) if process is not None else 0.0
     started, errors_before = time.perf_counter(), into.errors
     await asyncio.gather(*(worker() for _ in range(load.concurrency)))
     elapsed = time.perf_counter() - started
+    if process is not None:
+        into.cpu_s += sum(process.cpu_times()[:2]) - cpu_before
     into.busy_s += elapsed
     into.batch_rates.append((count - (into.errors - errors_before)) / elapsed)
 
@@ -198,10 +214,36 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
+def _against(
+    gateway: Samples, direct: Samples, baseline: Samples | None = None
+) -> dict[str, float | dict[str, float]]:
+    """A gateway's figures next to the direct target's (and, for a variant, the first variant's)."""
+    g, d = gateway.summary(), direct.summary()
+    compared: dict[str, float | dict[str, float]] = {
+        "summary": g,
+        "added_p50_ms": g["p50_ms"] - d["p50_ms"],
+        "added_p99_ms": g["p99_ms"] - d["p99_ms"],
+        "req_per_s_ratio_paired": statistics.median(
+            gw / dr for gw, dr in zip(gateway.batch_rates, direct.batch_rates, strict=True)
+        ),
+    }
+    if baseline is not None:
+        b = baseline.summary()
+        compared["vs_first_variant"] = {
+            "p50_ms": g["p50_ms"] - b["p50_ms"],
+            "p99_ms": g["p99_ms"] - b["p99_ms"],
+            "cpu_us_per_request": g["cpu_us_per_request"] - b["cpu_us_per_request"],
+            "req_per_s_ratio_paired": statistics.median(
+                gw / base for gw, base in zip(gateway.batch_rates, baseline.batch_rates, strict=True)
+            ),
+        }
+    return compared
+
+
 async def run_scenario(
     session: aiohttp.ClientSession,
     direct: Target,
-    gateway: Target,
+    gateways: Sequence[Target],
     args: argparse.Namespace,
     *,
     stream: bool,
@@ -213,14 +255,18 @@ async def run_scenario(
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {args.api_key}"}
     load = Load(json.dumps(request).encode(), headers, stream, concurrency)
     batch = args.serial_batch if concurrency == 1 else args.concurrent_batch
-    samples = {direct.name: Samples(), gateway.name: Samples()}
-    for target in (direct, gateway):
+    targets = [direct, *gateways]
+    samples = {target.name: Samples() for target in targets}
+    for target in targets:
         await run_batch(session, target, load, args.warmup, Samples())
     for round_no in range(args.rounds):
-        order = (direct, gateway) if round_no % 2 == 0 else (gateway, direct)
-        for target in order:
+        # Every target goes first, and last, as often as the others: drift hits them alike.
+        shift = round_no // 2 % len(targets)
+        order = targets[shift:] + targets[:shift]
+        for target in order if round_no % 2 == 0 else reversed(order):
             with gc_paused():
                 await run_batch(session, target, load, batch, samples[target.name])
+    gateway = gateways[0]
     d, g = samples[direct.name].summary(), samples[gateway.name].summary()
     result = {
         "stream": stream,
@@ -239,6 +285,14 @@ async def run_scenario(
             )
         ),
     }
+    if len(gateways) > 1:
+        first = samples[gateway.name]
+        result["variants"] = {
+            target.name: _against(
+                samples[target.name], samples[direct.name], first if target is not gateway else None
+            )
+            for target in gateways
+        }
     logger.info(
         "done: stream=%s concurrency=%d added p50 %.3f ms, p99 %.3f ms",
         stream,
@@ -269,12 +323,49 @@ def format_table(scenarios: Sequence[dict[str, Any]]) -> str:
         "latencies in ms to the last byte; added = gateway - direct at that percentile; "
         "ratio = median over rounds of gateway/direct req/s in adjacent batches"
     )
+    if any("variants" in s for s in scenarios):
+        lines += ["", format_variants(scenarios)]
     return "\n".join(lines)
+
+
+def format_variants(scenarios: Sequence[dict[str, Any]]) -> str:
+    header = (
+        f"{'mode':<10} {'conc':>4} {'variant':<16} | {'p50 added':>9} {'p99 added':>9} | {'cpu us/req':>10} "
+        f"{'vs first':>9} | {'req/s ratio':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in scenarios:
+        for name, v in s["variants"].items():
+            delta = v.get("vs_first_variant", {}).get("cpu_us_per_request", 0.0)
+            lines.append(
+                f"{'stream' if s['stream'] else 'non-stream':<10} {s['concurrency']:>4} {name:<16} | "
+                f"{v['added_p50_ms']:>9.3f} {v['added_p99_ms']:>9.3f} | "
+                f"{v['summary']['cpu_us_per_request']:>10.1f} {delta:>+9.1f} | {v['req_per_s_ratio_paired']:>11.2f}"
+            )
+    lines.append(
+        "cpu us/req: the gateway process's CPU time per request during its batches; vs first: minus the first "
+        "variant's; req/s ratio: against direct"
+    )
+    return "\n".join(lines)
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:KEY=VALUE,KEY=VALUE` -> (name, settings)."""
+    name, _, pairs = text.partition(":")
+    settings = {}
+    for pair in filter(None, pairs.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"variant {text!r}: {pair!r} is not KEY=VALUE")
+        settings[key] = value
+    if not name:
+        raise ValueError(f"variant {text!r} has no name")
+    return name, settings
 
 
 def start_servers(
     processes: Processes, args: argparse.Namespace, data_dir: Path
-) -> tuple[Target, Target, list[subprocess.Popen[bytes]]]:
+) -> tuple[Target, list[Target], list[subprocess.Popen[bytes]]]:
     up_port, gw_port = free_port(), free_port()
     upstream_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(up_port)]
     direct = Target(
@@ -287,7 +378,7 @@ def start_servers(
         )
         gateway_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(gw_port)]
         started.append(processes.start(gateway.name, gateway_cmd))
-        return direct, gateway, started
+        return direct, [gateway], started
     env = {
         **os.environ,
         "KAIZEN_ENGINE": "upstream",
@@ -300,11 +391,35 @@ def start_servers(
     for assignment in args.gateway_env:
         key, _, value = assignment.partition("=")
         env[key] = value
-    gateway = Target(
-        "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", f"http://127.0.0.1:{gw_port}/healthz"
-    )
-    started.append(processes.start(gateway.name, shlex.split(args.gateway_cmd), env))
-    return direct, gateway, started
+    variants = [parse_variant(v) for v in args.variant] or [("gateway", {})]
+    if any(v.get("KAIZEN_OTEL_TRACES", "").lower() in ("1", "true") for _, v in variants):
+        receiver_port = free_port()
+        receiver_cmd = [sys.executable, "-m", "tests.support.otlp_receiver", "--port", str(receiver_port)]
+        processes.start("otlp-receiver", receiver_cmd)
+        env.setdefault("KAIZEN_OTEL_ENDPOINT", f"http://127.0.0.1:{receiver_port}")
+    gateways = []
+    for name, settings in variants:
+        port = gw_port if not gateways else free_port()
+        own = data_dir / name if args.variant else data_dir
+        own.mkdir(exist_ok=True)
+        variant_env = {
+            **env,
+            "KAIZEN_PORT": str(port),
+            "KAIZEN_DATA_DIR": str(own),
+            "KAIZEN_DATABASE_URL": f"sqlite:///{own}/bench.db",
+            **settings,
+        }
+        process = processes.start(name, shlex.split(args.gateway_cmd), variant_env)
+        started.append(process)
+        gateways.append(
+            Target(
+                name,
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"http://127.0.0.1:{port}/healthz",
+                pid=process.pid,
+            )
+        )
+    return direct, gateways, started
 
 
 async def enable_privacy(args: argparse.Namespace, data_dir: Path, processes: Processes) -> None:
@@ -331,23 +446,25 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kaizen-bench-") as tmp:
         processes = Processes(Path(tmp))
         try:
-            direct, gateway, started = start_servers(processes, args, Path(tmp))
+            direct, gateways, started = start_servers(processes, args, Path(tmp))
             # No per-host limit and no DNS: the client must never be what queues requests.
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, use_dns_cache=True, force_close=False)
             timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-                for target, process in zip((direct, gateway), started, strict=True):
+                for target, process in zip((direct, *gateways), started, strict=True):
                     await wait_healthy(session, target, process, processes)
                 if args.privacy != "off" and not args.self_test:
                     await enable_privacy(args, Path(tmp), processes)
                 scenarios = [
-                    await run_scenario(session, direct, gateway, args, stream=stream, concurrency=concurrency)
+                    await run_scenario(
+                        session, direct, gateways, args, stream=stream, concurrency=concurrency
+                    )
                     for concurrency in args.concurrency
                     for stream in (False, True)
                 ]
         except BaseException:
-            if processes.running:
-                logger.error("gateway log tail:\n%s", processes.log_tail("gateway"))
+            for name, _ in processes.running[1:]:
+                logger.error("%s log tail:\n%s", name, processes.log_tail(name))
             raise
         finally:
             processes.stop_all()
@@ -388,6 +505,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a gateway with these settings, alternated with the others in every round; repeatable",
+    )
+    parser.add_argument(
         "--privacy",
         choices=["off", "mask", "hash"],
         default="off",
@@ -404,6 +528,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or min(args.rounds, args.serial_batch, args.concurrent_batch) < 1:
         parser.error("concurrency, rounds and batch sizes must be positive")
+    if args.variant and (args.self_test or args.privacy != "off"):
+        parser.error("--variant goes with neither --self-test nor --privacy")
+    try:
+        [parse_variant(v) for v in args.variant]
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 

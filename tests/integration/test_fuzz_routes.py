@@ -129,6 +129,7 @@ ROUTES = [
     Route("GET", "/v1/models", API_KEY, reads_only=True),
     Route("GET", "/healthz", None, reads_only=True),
     Route("GET", "/readyz", None, reads_only=True),
+    Route("GET", "/metrics", None, reads_only=True),  # open: the fuzzed gateway binds loopback
     Route("GET", "/admin/capture", ADMIN_KEY, reads_only=True),
     Route("GET", "/admin/policies", ADMIN_KEY, reads_only=True),
     Route(

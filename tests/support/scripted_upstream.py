@@ -34,8 +34,6 @@ import functools
 import itertools
 import logging
 import re
-import socket
-import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -47,6 +45,8 @@ from typing import Any, Final, Literal
 import msgspec
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from tests.support.background_server import BackgroundServer
 
 logger = logging.getLogger(__name__)
 
@@ -572,9 +572,7 @@ class ScriptedUpstream:
     port: int = 0
     vllm_quirks: bool = True
     requests: list[RecordedRequest] = field(default_factory=list)
-    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
-    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
-    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _server: BackgroundServer | None = field(default=None, init=False, repr=False)
 
     @property
     def root_url(self) -> str:
@@ -599,32 +597,15 @@ class ScriptedUpstream:
         return list(self.requests)
 
     def start(self) -> ScriptedUpstream:
-        if self._thread is not None:
-            raise RuntimeError("already started")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        loop = asyncio.new_event_loop()
         runner = _make_runner(build_app(vllm_quirks=self.vllm_quirks, log=self.requests))
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.SockSite(runner, sock).start())
-        self._loop, self._runner = loop, runner
-        self._thread = threading.Thread(
-            target=loop.run_forever, name=f"scripted-upstream-{self.port}", daemon=True
-        )
-        self._thread.start()
+        self._server = BackgroundServer(runner, self.host, self.port, "scripted-upstream")
+        self.port = self._server.start()
         return self
 
     def stop(self) -> None:
-        loop, runner, thread = self._loop, self._runner, self._thread
-        if loop is None or runner is None or thread is None:
-            return
-        self._loop = self._runner = self._thread = None
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
     def __enter__(self) -> ScriptedUpstream:
         return self.start()

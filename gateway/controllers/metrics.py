@@ -1,0 +1,33 @@
+"""`GET /metrics`: Prometheus metrics (registered only when `KAIZEN_METRICS` is on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, Response, get
+from litestar.di import NamedDependency
+
+from gateway.auth import KeyRing
+from gateway.errors import AuthenticationError
+from gateway.metrics import GatewayMetrics
+
+
+class MetricsController(Controller):
+    path = "/metrics"
+
+    @get("")
+    async def scrape(
+        self,
+        request: Request[Any, Any, Any],
+        metrics: NamedDependency[GatewayMetrics],
+        keys: NamedDependency[KeyRing],
+    ) -> Response[bytes]:
+        """The exposition Prometheus scrapes: open on a loopback gateway, else the metrics key or an admin key."""
+        if not metrics.allows(request.headers.get("authorization"), keys):
+            raise AuthenticationError(
+                "Missing or invalid key for /metrics: send `Authorization: Bearer <KAIZEN_METRICS_KEY>`.",
+                code="invalid_metrics_key",
+            )
+        await metrics.refresh()
+        body, content_type = metrics.render(request.headers.get("accept", ""))
+        return Response(body, media_type=content_type)

@@ -1,0 +1,378 @@
+"""Prometheus metrics of a gateway process, served at `/metrics`.
+
+Where each number comes from decides how it is collected:
+
+- **Counted here, on the request path**: chat calls by requested model, served model (`policy@N`) and outcome,
+  latency and time-to-first-token histograms, tokens in and out, refused requests, feedback items received.
+  Each replica counts its own calls; sum them across replicas. The cost per call is a dictionary lookup and a
+  few locked increments (the label children are cached), measured in docs/performance.md.
+- **Read when scraped, from this process**: the capture counters (`CaptureStats`, the same numbers as
+  `/admin/capture`), the engine's health and restarts, the adapters loaded, the versions this replica serves
+  and the calls in flight.
+- **Read when scraped, from the database**, because other processes write them (a training child, a worker, a
+  scheduler on another replica): the active version of each policy, stored rewards by source and status,
+  judge groups with their calls and cost, job runs by status with their durations. Every replica reports the
+  same values (aggregate them with `max`, not `sum`); they are re-read at most every
+  `KAIZEN_METRICS_DB_INTERVAL_S`, so scrapes cost the database one round of grouped queries per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from gateway.auth import KeyRing
+from gateway.capture import CaptureSink
+from gateway.engines.base import Engine
+from gateway.exposure import is_loopback
+from gateway.routing import ModelRouter
+from gateway.settings import Settings
+from storage.database import Database
+from storage.monitoring import StoreCounts, store_counts
+
+log = logging.getLogger(__name__)
+
+# Seconds. Chat calls range from a cached few milliseconds to minutes of generation on a CPU.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ENGINE_HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class _CallSeries:
+    """The label children one kind of call increments, looked up once per label combination."""
+
+    requests: Counter
+    latency: Histogram
+    ttft: Histogram
+    input_tokens: Counter
+    output_tokens: Counter
+
+
+class CallMetrics:
+    """What the request path counts. `call` is the only method the hot path runs."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kaizen_requests",
+            "Chat completions answered, by requested model, served model (policy@N) and outcome "
+            "(ok, error, client_disconnected).",
+            ["model", "served", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "kaizen_request_duration_seconds",
+            "Chat completion latency to the last byte, by requested model and whether it was streamed.",
+            ["model", "stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kaizen_time_to_first_token_seconds",
+            "Time from the request to the first content of a streamed reply, by requested model.",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "kaizen_tokens",
+            "Tokens of chat completions as the engine counted them: type input (prompt) or output (completion).",
+            ["model", "type"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "kaizen_requests_rejected",
+            "Chat requests refused before reaching the engine (bad input, unknown model, a model the key may "
+            "not use, shutting down), by error code.",
+            ["code"],
+            registry=registry,
+        )
+        self.feedback = Counter(
+            "kaizen_feedback_items",
+            "Feedback items this gateway accepted, by status at receipt: linked (its target was stored), "
+            "pending (not yet), duplicate (an idempotency key seen before; nothing written).",
+            ["status"],
+            registry=registry,
+        )
+        self._series: dict[tuple[str, str, str, bool], _CallSeries] = {}
+
+    def call(
+        self,
+        model: str,
+        served: str,
+        status: str,
+        stream: bool,
+        latency_s: float,
+        ttft_s: float | None,
+        input_tokens: int,
+        output_tokens: int,
+    ) -> None:
+        key = (model, served, status, stream)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _CallSeries(
+                self.requests.labels(model, served, status),
+                self.latency.labels(model, "true" if stream else "false"),
+                self.ttft.labels(model),
+                self.tokens.labels(model, "input"),
+                self.tokens.labels(model, "output"),
+            )
+        series.requests.inc()
+        series.latency.observe(latency_s)
+        if ttft_s is not None:
+            series.ttft.observe(ttft_s)
+        if input_tokens:
+            series.input_tokens.inc(input_tokens)
+        if output_tokens:
+            series.output_tokens.inc(output_tokens)
+
+    def reject(self, code: str | None) -> None:
+        self.rejected.labels(code or "unknown").inc()
+
+    def feedback_items(self, statuses: Iterable[str]) -> None:
+        for status in statuses:
+            self.feedback.labels(status).inc()
+
+
+# Which CaptureStats/snapshot fields are counters (only ever grow) and which are levels.
+_CAPTURE_COUNTERS = {
+    "queued": "Captured calls accepted into the in-memory queue.",
+    "written": "Captured calls inserted into the database straight from the queue.",
+    "spooled": "Captured calls appended to the spool file (database down, or queue full).",
+    "replayed": "Captured calls moved from the spool file into the database.",
+    "recovered": "Captured calls read back from the capture log at start-up (left by a killed process).",
+    "dropped": "Captured calls lost: neither written nor spooled, or rejected by the database as invalid.",
+    "log_failures": "Captured calls that could not be appended to the capture log.",
+    "opted_out": "Calls served with X-Kaizen-No-Log: nothing stored.",
+}
+_CAPTURE_GAUGES = {
+    "queue_depth": "Captured calls waiting in memory for the writer.",
+    "log_unsettled": "Captured calls in the capture log not yet committed to the database.",
+    "log_bytes": "Size of the capture log on disk.",
+    "spool_bytes": "Size of the spool file (calls waiting for the database).",
+    "database_up": "1 while the capture writer reaches the database, 0 while it spools.",
+}
+
+
+class _ScrapeCollector(Collector):
+    """Turns what `GatewayMetrics.refresh` gathered into metric families; does no I/O itself."""
+
+    def __init__(self, owner: GatewayMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families vary with the data; nothing to check against at registration
+
+    def collect(self) -> Iterable[Metric]:
+        owner = self.owner
+        yield from self._capture(owner.sink)
+        yield from self._engine(owner)
+        if owner.store is not None:
+            yield from self._store(owner.store)
+        ok = GaugeMetricFamily(
+            "kaizen_metrics_database_ok",
+            "1 when the last read of the database figures succeeded (they are omitted until one has).",
+        )
+        ok.add_metric([], 1.0 if owner.store_ok else 0.0)
+        yield ok
+
+    @staticmethod
+    def _capture(sink: CaptureSink) -> Iterable[Metric]:
+        snapshot = sink.snapshot()
+        for name, text in _CAPTURE_COUNTERS.items():
+            yield CounterMetricFamily(f"kaizen_capture_{name}", text, value=float(snapshot[name]))
+        for name, text in _CAPTURE_GAUGES.items():
+            yield GaugeMetricFamily(f"kaizen_capture_{name}", text, value=float(snapshot[name]))
+
+    @staticmethod
+    def _engine(owner: GatewayMetrics) -> Iterable[Metric]:
+        engine, router = owner.engine, owner.router
+        yield GaugeMetricFamily(
+            "kaizen_engine_up",
+            "1 when the engine answered its health check at the last scrape.",
+            value=1.0 if owner.engine_up else 0.0,
+        )
+        yield CounterMetricFamily(
+            "kaizen_engine_restarts",
+            "Times the gateway restarted a dead engine.",
+            value=float(engine.restarts),
+        )
+        yield GaugeMetricFamily(
+            "kaizen_engine_adapters_loaded",
+            "LoRA adapter versions loaded into the engine.",
+            value=float(len(engine.loaded_adapters())),
+        )
+        served = GaugeMetricFamily(
+            "kaizen_served_version",
+            "The version of each policy this gateway sends new calls to (its view of the active version).",
+            labels=["policy"],
+        )
+        for policy, state in sorted(router.policies.items()):
+            if state.active_version is not None:
+                served.add_metric([policy], float(state.active_version))
+        yield served
+        in_flight = GaugeMetricFamily(
+            "kaizen_in_flight", "Chat calls in flight, by served model.", labels=["served"]
+        )
+        for name, count in sorted(router.in_flight.items()):
+            in_flight.add_metric([name], float(count))
+        yield in_flight
+
+    @staticmethod
+    def _store(store: StoreCounts) -> Iterable[Metric]:
+        active = GaugeMetricFamily(
+            "kaizen_policy_active_version", "The active version of each policy (database).", labels=["policy"]
+        )
+        for policy, version in sorted(store.active_versions.items()):
+            if version is not None:
+                active.add_metric([policy], float(version))
+        yield active
+        rewards = GaugeMetricFamily(
+            "kaizen_rewards_stored",
+            "Reward rows stored, by source (feedback, judge, function, webhook) and status (linked, pending, "
+            'orphaned): feedback by status is source="feedback".',
+            labels=["source", "status"],
+        )
+        for (source, status), rows in sorted(store.rewards.items()):
+            rewards.add_metric([source, status], float(rows))
+        yield rewards
+        groups = CounterMetricFamily(
+            "kaizen_judge_groups",
+            "Groups the judge scored (judged) or gave up on (failed).",
+            labels=["policy", "status"],
+        )
+        calls = CounterMetricFamily(
+            "kaizen_judge_calls", "Requests to the judge model, retries included.", labels=["policy"]
+        )
+        cost = CounterMetricFamily(
+            "kaizen_judge_cost_usd",
+            "What the judge's requests cost, as litellm priced them.",
+            labels=["policy"],
+        )
+        per_policy: dict[str, tuple[int, float]] = {}
+        for row in store.judge:
+            groups.add_metric([row.policy, row.status], float(row.groups))
+            n, usd = per_policy.get(row.policy, (0, 0.0))
+            per_policy[row.policy] = (n + row.calls, usd + row.cost_usd)
+        for policy, (n, usd) in sorted(per_policy.items()):
+            calls.add_metric([policy], float(n))
+            cost.add_metric([policy], usd)
+        yield from (groups, calls, cost)
+        runs = GaugeMetricFamily(
+            "kaizen_runs",
+            "Job runs by policy, kind (train, judge, retention) and status (running, succeeded, skipped, "
+            "failed, rejected).",
+            labels=["policy", "kind", "status"],
+        )
+        durations = SummaryMetricFamily(
+            "kaizen_run_duration_seconds",
+            "Duration of finished job runs, by policy and kind.",
+            labels=["policy", "kind"],
+        )
+        last = GaugeMetricFamily(
+            "kaizen_run_last_finished_timestamp_seconds",
+            "When the newest run of each policy, kind and status finished (unix time).",
+            labels=["policy", "kind", "status"],
+        )
+        finished: dict[tuple[str, str], tuple[int, float]] = {}
+        for run in store.runs:
+            runs.add_metric([run.policy, run.kind, run.status], float(run.runs))
+            n, seconds = finished.get((run.policy, run.kind), (0, 0.0))
+            finished[(run.policy, run.kind)] = (n + run.finished, seconds + run.duration_s)
+            if run.last_finished_at is not None:
+                last.add_metric([run.policy, run.kind, run.status], run.last_finished_at.timestamp())
+        for (policy, kind), (n, seconds) in sorted(finished.items()):
+            durations.add_metric([policy, kind], count_value=n, sum_value=seconds)
+        yield from (runs, durations, last)
+
+
+class GatewayMetrics:
+    """The registry of one gateway process and what `/metrics` reads when it is scraped."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        database: Database,
+        engine: Engine,
+        router: ModelRouter,
+        sink: CaptureSink,
+    ) -> None:
+        self.database = database
+        self.engine = engine
+        self.router = router
+        self.sink = sink
+        self.key = settings.metrics_key
+        # With no key of its own, /metrics is open exactly when only this host can reach the gateway.
+        self.open = not settings.metrics_key and is_loopback(settings.host)
+        self.db_interval_s = settings.metrics_db_interval_s
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.calls = CallMetrics(self.registry)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_ScrapeCollector(self))
+        self.engine_up = False
+        self.store: StoreCounts | None = None
+        self.store_ok = False
+        self._store_read_at = -float("inf")
+        self._store_lock = asyncio.Lock()
+
+    def allows(self, authorization: str | None, keys: KeyRing) -> bool:
+        """Whether a scrape with this Authorization header may read the metrics."""
+        if self.open:
+            return True
+        if (
+            self.key
+            and authorization is not None
+            and hmac.compare_digest(authorization.encode(), f"Bearer {self.key}".encode())
+        ):
+            return True
+        principal = keys.lookup(authorization)
+        return principal is not None and "admin" in principal.scopes
+
+    async def refresh(self) -> None:
+        """Gather what the scrape reports: the engine's health now, the database figures when stale."""
+        try:
+            self.engine_up = await asyncio.wait_for(self.engine.health(), ENGINE_HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            self.engine_up = False
+        if time.monotonic() - self._store_read_at < self.db_interval_s:
+            return
+        async with self._store_lock:  # concurrent scrapes share one read
+            if time.monotonic() - self._store_read_at < self.db_interval_s:
+                return
+            try:
+                async with self.database.session() as session:
+                    self.store = await store_counts(session)
+                self.store_ok = True
+            except Exception as exc:  # the database may be down: the last figures stay, flagged stale
+                log.warning("metrics: could not read the database figures: %s", exc)
+                self.store_ok = False
+            self._store_read_at = time.monotonic()
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition for the scraper's Accept header (Prometheus text, or OpenMetrics) and its type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
