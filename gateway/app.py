@@ -70,6 +70,7 @@ def build_vllm_engine(settings: Settings) -> Engine:
     """The vLLM engine: attached by URL, or a supervised server for the (pulled if embedded) base model."""
     from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
     from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python, free_loopback_port
+    from gateway.tool_call_parsers import choose_tool_call_parser
 
     served = served_model_name(settings.base_model)
     common = {
@@ -83,9 +84,10 @@ def build_vllm_engine(settings: Settings) -> Engine:
         return VLLMEngine(base_url=settings.vllm_url, launch=None, **common)  # type: ignore[arg-type]
     embedded = EMBEDDED_MODELS.get(settings.base_model)
     port = settings.vllm_port or free_loopback_port()  # 0: a port no other gateway's vLLM holds
+    model = resolve_base_model(settings.base_model, settings.data_dir / "models")
     launch = VLLMLaunch(
         python=find_vllm_python(settings.vllm_python),
-        model=resolve_base_model(settings.base_model, settings.data_dir / "models"),
+        model=model,
         served_name=served,
         port=port,
         max_model_len=settings.vllm_max_model_len,
@@ -93,7 +95,11 @@ def build_vllm_engine(settings: Settings) -> Engine:
         max_lora_rank=settings.vllm_max_lora_rank,
         kv_cache_gib=settings.vllm_kv_cache_gib,
         dtype=settings.vllm_dtype,
-        tool_call_parser=settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else None),
+        tool_call_parser=choose_tool_call_parser(
+            settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else ""),
+            model,
+            settings.vllm_chat_template,
+        ),
         chat_template=settings.vllm_chat_template or None,
         extra_args=settings.vllm_extra_args.split(),
     )

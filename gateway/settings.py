@@ -129,7 +129,8 @@ class Settings(BaseSettings):
     vllm_dtype: str = Field("bfloat16", description="Weights dtype vLLM serves in.")
     vllm_tool_call_parser: str = Field(
         "",
-        description="vLLM tool-call parser. Default: the embedded model's own (`hermes`); none for other models.",
+        description="vLLM tool-call parser (`hermes`, `mistral`, `llama3_json`, ...), or `none` to serve without "
+        "tool calls. Default: the one the chat template's tool-call markers show (`hermes` for the embedded model).",
     )
     vllm_chat_template: str = Field(
         "", description="Chat template file for vLLM. Default: the one saved with the model directory."
