@@ -22,7 +22,13 @@ from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
-from gateway.protocol import ChatCompletionRequest
+from gateway.protocol import (
+    AllowedToolsChoice,
+    ChatCompletionRequest,
+    NamedCustomToolChoice,
+    NamedToolChoice,
+    tool_name,
+)
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from storage.calls import recent_stitch_keys
@@ -56,6 +62,28 @@ class CallContext:
     principal: Principal
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
+
+
+def _allowed_names(choice: AllowedToolsChoice) -> set[str]:
+    """Names of `allowed_tools` references: `{"type": "function", "function": {"name"}}` (or `"name"` beside the
+    type, as the Responses API writes it), and likewise for custom tools."""
+    names = set()
+    for ref in choice.allowed_tools.tools:
+        inner = ref.get(str(ref.get("type")))
+        name = inner.get("name") if isinstance(inner, dict) else ref.get("name")
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
+def _narrowed_tools(tools: list[Any], choice: AllowedToolsChoice) -> dict[str, Any]:
+    """`allowed_tools` for an engine without it: the allowed tools alone under the choice's mode, the same
+    constraint (the prompt then lists only those, which are all the model may call anyway)."""
+    allowed = _allowed_names(choice)
+    kept = [t for t in tools if (t.get(t.get("type")) or {}).get("name") in allowed]
+    if not kept:
+        return {"tools": None, "tool_choice": "none"}
+    return {"tools": kept, "tool_choice": choice.allowed_tools.mode}
 
 
 def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
@@ -156,8 +184,21 @@ class ChatService:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if request.tool_choice not in (None, "none", "auto") and not request.tools:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
-        if request.tools and len({t.function.name for t in request.tools}) != len(request.tools):
-            raise InvalidRequest("tool function names must be unique", param="tools")
+        names = [tool_name(t) for t in request.tools or []]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("tool names must be unique", param="tools")
+        choice = request.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if isinstance(choice, NamedCustomToolChoice):
+            named = choice.custom.name
+        if named is not None and named not in names:
+            raise InvalidRequest(f"tool_choice names `{named}`, which is not in tools", param="tool_choice")
+        if isinstance(choice, AllowedToolsChoice) and not _allowed_names(choice) <= set(names):
+            unknown = ", ".join(sorted(_allowed_names(choice) - set(names)))
+            raise InvalidRequest(
+                f"allowed_tools names tools that are not in tools: {unknown}",
+                param="tool_choice.allowed_tools",
+            )
         # Stored in text columns, which on PostgreSQL cannot hold NUL; content and metadata are JSON (lossless).
         for param, value in (
             ("user", request.user),
@@ -179,6 +220,8 @@ class ChatService:
             body["return_token_ids"] = True
         if ctx.request.stream:
             body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
+        if isinstance(ctx.request.tool_choice, AllowedToolsChoice) and not caps.allowed_tools:
+            body.update(_narrowed_tools(body.get("tools") or [], ctx.request.tool_choice))
         return body
 
     async def _acquire(self, ctx: CallContext) -> None:

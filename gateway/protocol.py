@@ -14,7 +14,9 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 # ----------------------------------------------------------------------------- request
 
 
-class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+class TextPart(Struct, tag_field="type", tag="text"):
+    """Extra fields (`cache_control`, `prompt_cache_breakpoint`, ...) are the engine's business: forwarded."""
+
     text: str
 
 
@@ -92,18 +94,74 @@ class FunctionDefinition(Struct):
     strict: bool | None = None
 
 
-class Tool(Struct):
+class FunctionTool(Struct, tag_field="type", tag="function"):
+    """`ChatCompletionTool`."""
+
     function: FunctionDefinition
-    type: Literal["function"] = "function"
+
+
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class Grammar(Struct):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class GrammarFormat(Struct, tag_field="type", tag="grammar"):
+    grammar: Grammar
+
+
+class CustomToolDefinition(Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    format: TextFormat | GrammarFormat | None = None
+
+
+class CustomTool(Struct, tag_field="type", tag="custom"):
+    """`CustomToolChatCompletions`: free-form input instead of JSON arguments (forwarded; vLLM refuses it)."""
+
+    custom: CustomToolDefinition
+
+
+Tool = FunctionTool | CustomTool
+
+
+def tool_name(tool: Tool) -> str:
+    return tool.function.name if isinstance(tool, FunctionTool) else tool.custom.name
 
 
 class NamedFunction(Struct):
     name: str
 
 
-class NamedToolChoice(Struct):
+class NamedToolChoice(Struct, tag_field="type", tag="function"):
+    """`ChatCompletionNamedToolChoice`."""
+
     function: NamedFunction
-    type: Literal["function"] = "function"
+
+
+class NamedCustomToolChoice(Struct, tag_field="type", tag="custom"):
+    """`ChatCompletionNamedToolChoiceCustom`."""
+
+    custom: NamedFunction
+
+
+class AllowedTools(Struct):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class AllowedToolsChoice(Struct, tag_field="type", tag="allowed_tools"):
+    """`ChatCompletionAllowedToolsChoice`: the model may only call these of the request's tools."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoice = (
+    Literal["none", "auto", "required"] | AllowedToolsChoice | NamedToolChoice | NamedCustomToolChoice
+)
 
 
 class StreamOptions(Struct):
@@ -137,7 +195,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     seed: Seed | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

@@ -15,6 +15,8 @@ class EngineCapabilities:
     logprobs: bool
     token_ids: bool
     adapters: bool
+    # `tool_choice: {"type": "allowed_tools"}` understood; otherwise the gateway narrows `tools` itself.
+    allowed_tools: bool = True
 
 
 class EngineStream(ABC):

@@ -110,7 +110,7 @@ class VLLMLaunch:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True)
+    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True, allowed_tools=False)
 
     def __init__(
         self,
