@@ -20,8 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import KeyRing
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
+from gateway.completions import RelayService
 from gateway.controllers.admin import AuditController, CaptureAdminController, KeysController
 from gateway.controllers.chat import ChatController
+from gateway.controllers.completions import CompletionsController, EmbeddingsController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
@@ -53,6 +55,7 @@ class Services:
     router: ModelRouter
     sink: CaptureSink
     chat: ChatService
+    relay: RelayService
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
@@ -149,6 +152,14 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
     )
+    relay = RelayService(
+        engine,
+        router,
+        sink,
+        chat,
+        max_body_bytes=settings.max_body_bytes,
+        capture_embeddings=settings.capture_embeddings,
+    )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
         database,
@@ -161,7 +172,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         redactor=router.redactor,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    return Services(settings, database, engine, router, sink, chat, feedback, jobs, keys)
+    return Services(settings, database, engine, router, sink, chat, relay, feedback, jobs, keys)
 
 
 async def provide_session(database: NamedDependency[Database]) -> AsyncIterator[AsyncSession]:
@@ -304,7 +315,13 @@ def create_app(services: Services) -> Litestar:
     limiter = limiter_from_settings(settings)
     v1 = Router(
         path="/v1",
-        route_handlers=[ChatController, ModelsController, EpisodesController],
+        route_handlers=[
+            ChatController,
+            CompletionsController,
+            EmbeddingsController,
+            ModelsController,
+            EpisodesController,
+        ],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
     return Litestar(
@@ -320,6 +337,7 @@ def create_app(services: Services) -> Litestar:
         ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
+            "relay": Provide(lambda: services.relay, sync_to_thread=False, use_cache=True),
             "router": Provide(lambda: services.router, sync_to_thread=False, use_cache=True),
             "sink": Provide(lambda: services.sink, sync_to_thread=False, use_cache=True),
             "database": Provide(lambda: services.database, sync_to_thread=False, use_cache=True),

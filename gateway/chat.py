@@ -86,7 +86,7 @@ def _narrowed_tools(tools: list[Any], choice: AllowedToolsChoice) -> dict[str, A
     return {"tools": kept, "tool_choice": choice.allowed_tools.mode}
 
 
-def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
+def validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
     message = str(exc)
     match = _PATH.search(message)
     return InvalidRequest(message, param=match.group(1) if match else None, code="invalid_value")
@@ -149,7 +149,7 @@ class ChatService:
         try:
             request = msgspec.convert(body, ChatCompletionRequest)
         except msgspec.ValidationError as exc:
-            raise _validation_error(exc) from exc
+            raise validation_error(exc) from exc
         self._check(request)
         route = self.router.resolve(request.model)
         if not principal.may_use(request.model, route.policy):

@@ -209,6 +209,62 @@ class ChatCompletionRequest(Struct, kw_only=True):
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
 
 
+# A text, or a list of texts, of token ids, or of token-id lists (msgspec allows one array type per union, so
+# the list's items are checked to be of one kind by `uniform_items`).
+Prompt = str | Annotated[list[str | int | Annotated[list[int], Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class CompletionRequest(Struct, kw_only=True):
+    """`CreateCompletionRequest` (legacy text completions), the fields Kaizen checks; the rest is forwarded."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: Prompt
+    best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None  # not in the spec for completions; Kaizen's episode and group keys
+
+
+EmbeddingInput = (
+    Annotated[str, Meta(min_length=1)]
+    | Annotated[
+        list[Annotated[str, Meta(min_length=1)] | int | Annotated[list[int], Meta(min_length=1)]],
+        Meta(min_length=1, max_length=2048),
+    ]
+)
+
+
+def uniform_items(value: str | list[Any]) -> bool:
+    """A prompt or embedding input list holds one kind of item: texts, token ids, or token-id lists."""
+    if isinstance(value, str):
+        return True
+    kinds = {type(item) for item in value}
+    return len(kinds) == 1
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """`CreateEmbeddingRequest`."""
+
+    input: EmbeddingInput
+    model: Annotated[str, Meta(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    user: str | None = None
+
+
 # ----------------------------------------------------------------------------- response
 # Optional-but-not-nullable spec fields default to UNSET, which msgspec leaves out of the JSON entirely.
 
@@ -311,6 +367,52 @@ class ChatCompletionChunk(Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | UnsetType | None = UNSET
     system_fingerprint: str | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int] | UnsetType = UNSET
+    token_logprobs: list[float | None] | UnsetType = UNSET
+    tokens: list[str] | UnsetType = UNSET
+    top_logprobs: list[dict[str, float] | None] | UnsetType = UNSET
+
+
+class CompletionChoice(Struct):
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+    index: int
+    logprobs: CompletionLogprobs | None
+    text: str
+
+
+class TextCompletion(Struct):
+    """`CreateCompletionResponse`; stream chunks share the shape (`finish_reason` null until the last)."""
+
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType = UNSET
+
+
+class Embedding(Struct):
+    index: int
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Struct):
+    """`CreateEmbeddingResponse`."""
+
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
 
 
 class ModelCard(Struct):

@@ -196,6 +196,13 @@ class Settings(BaseSettings):
         100_000, ge=0, description="Recent conversation tails kept in memory for prefix stitching."
     )
 
+    # --- relayed routes
+    capture_embeddings: bool = Field(
+        False,
+        description="Store `/v1/embeddings` calls (input and usage, never the vectors) as calls of their own "
+        "episodes. Off: embeddings are relayed and not stored.",
+    )
+
     # --- rewards
     feedback_secret: str = Field(
         "",

@@ -84,7 +84,9 @@ def choose_tool_call_parser(configured: str, model: str, chat_template_file: str
     template: str | None = None
     if chat_template_file:
         template_path = Path(chat_template_file).expanduser()
-        template = template_path.read_text(encoding="utf-8") if template_path.is_file() else chat_template_file
+        template = (
+            template_path.read_text(encoding="utf-8") if template_path.is_file() else chat_template_file
+        )
     else:
         local = Path(model).expanduser()
         model_dir = local if local.is_dir() else cached_model_dir(model)

@@ -44,7 +44,7 @@ class ChatController(Controller):
                 return Stream(
                     relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
                 )
-            reply = await _unless_disconnected(chat.complete(ctx), request.receive)
+            reply = await unless_disconnected(chat.complete(ctx), request.receive)
             return Response(reply, media_type="application/json", headers=headers)
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
             exc.headers.update(headers)
@@ -62,7 +62,7 @@ async def _wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _unless_disconnected(work: Awaitable[bytes], receive: Receive) -> bytes:
+async def unless_disconnected(work: Awaitable[bytes], receive: Receive) -> bytes:
     """Await `work`, cancelling it if the client disconnects first (the body is already read, so the next
     ASGI message can only be the disconnect). Streams get this from Litestar; a non-streamed call would
     otherwise run to the end and be recorded as a served reply nobody received."""

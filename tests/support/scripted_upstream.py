@@ -11,6 +11,9 @@ behaviour in the request itself and needs no mocks:
 - ``#garbage``: status 200 with a body that is not valid JSON (or SSE);
 - ``#hang``: never answers.
 
+``/v1/completions`` answers ``echo: <prompt>`` the same way (per-choice ``token_ids``, ``prompt_token_ids``
+and ``token_logprobs`` as vLLM lays them out) and ``/v1/embeddings`` deterministic 8-dimensional vectors.
+
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
 ``refusal``, ``stop_reason``/``token_ids`` fields, finish_reason on the last token's chunk, integer
@@ -496,6 +499,113 @@ class _Handlers:
             record.outcome = "completed"
         return response
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Legacy text completions: the reply is ``echo: <prompt>`` under the same word tokenizer, with token
+        ids and ``token_logprobs`` laid out as vLLM does (per choice ``token_ids`` and ``prompt_token_ids``)."""
+        body = await self._recorded_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            return self.error(400, "'prompt' must be a string")
+        prompt = body["prompt"]
+        script = parse_script(prompt)
+        if script.error_status is not None:
+            return self.error(script.error_status, f"scripted error {script.error_status}")
+        max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else None
+        [gen] = generate(prompt, 1, max_tokens)
+        seq = next(self.seq)
+        ids = body.get("return_token_ids") is True
+        logprobs = body.get("logprobs") if isinstance(body.get("logprobs"), int) else None
+
+        def choice(start: int, stop: int, finish: str | None) -> dict[str, Any]:
+            item: dict[str, Any] = {
+                "index": 0,
+                "text": "".join(gen.pieces[start:stop]),
+                "finish_reason": finish,
+            }
+            item["logprobs"] = (
+                {
+                    "tokens": list(gen.pieces[start:stop]),
+                    "token_logprobs": [token_logprob(i) for i in range(start, stop)],
+                    "text_offset": [0] * (stop - start),
+                    "top_logprobs": [{gen.pieces[i]: token_logprob(i)} for i in range(start, stop)],
+                }
+                if logprobs is not None
+                else None
+            )
+            if ids:
+                item["token_ids"] = list(gen.token_ids[start:stop])
+                item["prompt_token_ids"] = text_token_ids(prompt) if start == 0 else None
+            return item
+
+        prompt_tokens = len(text_token_ids(prompt))
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(gen.pieces),
+            "total_tokens": prompt_tokens + len(gen.pieces),
+        }
+        head = {
+            "id": f"cmpl-scripted-{seq}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+        }
+        if body.get("stream") is not True:
+            return web.Response(
+                body=_encode(
+                    {**head, "choices": [choice(0, len(gen.pieces), gen.finish_reason)], "usage": usage}
+                ),
+                headers=_JSON_HEADERS,
+            )
+        chunks = [
+            b"data: "
+            + _encode(
+                {
+                    **head,
+                    "choices": [choice(i, i + 1, gen.finish_reason if i == len(gen.pieces) - 1 else None)],
+                }
+            )
+            + b"\n\n"
+            for i in range(len(gen.pieces))
+        ]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            chunks.append(b"data: " + _encode({**head, "choices": [], "usage": usage}) + b"\n\n")
+        return await self._stream(request, [], [*chunks, _DONE], script.slow_ms)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """Deterministic 8-dimensional vectors: one per input text, from the words' ids."""
+        body = await self._recorded_body(request)
+        texts = body.get("input") if isinstance(body, dict) else None
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            return self.error(400, "'input' must be a string or a list of strings")
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": [((token_id(text) >> k) % 97) / 97 for k in range(8)],
+            }
+            for i, text in enumerate(texts)
+        ]
+        tokens = sum(len(text.split()) for text in texts)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return web.Response(
+            body=_encode({"object": "list", "model": body.get("model"), "data": data, "usage": usage}),
+            headers=_JSON_HEADERS,
+        )
+
+    async def _recorded_body(self, request: web.Request) -> Any:
+        try:
+            body = _decode(await request.read())
+        except msgspec.DecodeError:
+            body = None
+        if self.log is not None:
+            self.log.append(
+                RecordedRequest(
+                    request.path, CIMultiDictProxy(CIMultiDict(request.headers)), body, "completed"
+                )
+            )
+        return body
+
     async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         try:
             req = parse_request(body)
@@ -539,6 +649,8 @@ def build_app(*, vllm_quirks: bool = True, log: list[RecordedRequest] | None = N
     handlers = _Handlers(vllm_quirks, log)
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/embeddings", handlers.embeddings)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     return app
