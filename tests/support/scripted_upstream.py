@@ -11,6 +11,11 @@ behaviour in the request itself and needs no mocks:
 - ``#garbage``: status 200 with a body that is not valid JSON (or SSE);
 - ``#hang``: never answers.
 
+Clients' own loops are answered as a model would: a named (or ``required``) ``tool_choice`` gets a call of
+that tool with arguments made from its JSON schema (so does ``#tool`` when the request's tools have no
+``get_weather``), a request whose last message is a tool result gets a text answer, and a ``response_format``
+gets JSON content (an instance of its schema, or ``{"echo": ...}`` for ``json_object``).
+
 ``/v1/completions`` answers ``echo: <prompt>`` the same way (per-choice ``token_ids``, ``prompt_token_ids``
 and ``token_logprobs`` as vLLM lays them out) and ``/v1/embeddings`` deterministic 8-dimensional vectors.
 
@@ -134,21 +139,40 @@ def _tokenise(words: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return pieces, tuple(token_id(word) for word in words)
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the request itself asks for beyond the directives: a forced or scripted call of one of its tools
+    (name, JSON arguments), a JSON content (`response_format`), or a text answer to a tool result."""
+
+    tool: tuple[str, str] | None = None
+    json_content: str | None = None
+    after_tool: bool = False
+
+
 @functools.lru_cache(maxsize=4096)
-def generate(last_user_text: str, choices: int, max_tokens: int | None) -> tuple[Generation, ...]:
+def generate(
+    last_user_text: str, choices: int, max_tokens: int | None, plan: Plan = Plan()
+) -> tuple[Generation, ...]:
     """Deterministic outputs for a request; cached so the hot path only builds JSON."""
     script = parse_script(last_user_text)
     outputs = []
     for index in range(choices):
-        if script.tool_calls:
-            calls = tuple(("get_weather", _TOOL_ARGUMENTS[k]) for k in range(script.tool_calls))
+        if not plan.after_tool and (plan.tool is not None or script.tool_calls):
+            if plan.tool is not None:
+                calls: tuple[tuple[str, str], ...] = (plan.tool,)
+            else:
+                calls = tuple(("get_weather", _TOOL_ARGUMENTS[k]) for k in range(script.tool_calls))
             raw = " ".join(
                 f'<tool_call> {{"name": "{name}", "arguments": {args}}} </tool_call>' for name, args in calls
             )
             pieces, ids = _tokenise(raw.split())
             outputs.append(Generation(pieces, ids, None, calls, "tool_calls"))
             continue
-        if script.long_words is not None:
+        if plan.json_content is not None:
+            pieces, ids = _tokenise(plan.json_content.split(" "))
+            outputs.append(Generation(pieces, ids, plan.json_content, (), "stop"))
+            continue
+        if script.long_words is not None and not plan.after_tool:
             words = [f"w{i}" for i in range(script.long_words)]
         else:
             words = ["echo:", *last_user_text.split()]
@@ -160,6 +184,68 @@ def generate(last_user_text: str, choices: int, max_tokens: int | None) -> tuple
         pieces, ids = _tokenise(words)
         outputs.append(Generation(pieces, ids, "".join(pieces), (), finish))
     return tuple(outputs)
+
+
+def example_of(schema: Any, defs: dict[str, Any] | None = None) -> Any:
+    """A small value valid under a JSON schema (the subset tools and response formats use)."""
+    if not isinstance(schema, dict):
+        return "x"
+    defs = {**(defs or {}), **schema.get("$defs", {}), **schema.get("definitions", {})}
+    if "$ref" in schema:
+        return example_of(defs.get(str(schema["$ref"]).rsplit("/", 1)[-1]), defs)
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = [o for o in schema.get(key, []) if not (isinstance(o, dict) and o.get("type") == "null")]
+        if options:
+            return example_of(options[0], defs)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or "properties" in schema:
+        return {name: example_of(sub, defs) for name, sub in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [example_of(schema.get("items"), defs)]
+    return {"integer": 2, "number": 1.5, "boolean": True, "null": None}.get(str(kind), "Paris")
+
+
+def _function_tools(body: dict[str, Any]) -> dict[str, Any]:
+    tools = body.get("tools")
+    return (
+        {
+            t["function"]["name"]: t["function"].get("parameters")
+            for t in tools
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+        }
+        if isinstance(tools, list)
+        else {}
+    )
+
+
+def plan_of(body: dict[str, Any], script: Script) -> Plan:
+    """The reply a request's tools, tool choice and response format call for."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if last.get("role") == "tool":
+        return Plan(after_tool=True)
+    tools = _function_tools(body)
+    choice = body.get("tool_choice")
+    name = None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+    elif tools and (choice == "required" or (script.tool_calls and "get_weather" not in tools)):
+        name = next(iter(tools))
+    if name in tools and choice != "none":
+        return Plan(tool=(name, _encode(example_of(tools[name])).decode()))
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        return Plan(json_content=_encode(example_of(schema)).decode())
+    if isinstance(response_format, dict) and response_format.get("type") == "json_object":
+        return Plan(json_content=_encode({"echo": _message_text(last)}).decode())
+    return Plan()
 
 
 @dataclass(slots=True)
@@ -190,6 +276,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     return_token_ids: bool
+    plan: Plan = Plan()
 
 
 def _message_text(message: Any) -> str:
@@ -235,6 +322,7 @@ def parse_request(body: Any) -> ChatRequest:
         logprobs=body.get("logprobs") is True,
         top_logprobs=_int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0,
         return_token_ids=body.get("return_token_ids") is True,
+        plan=plan_of(body, parse_script(_message_text(last_user) if last_user is not None else "")),
     )
 
 
@@ -267,7 +355,7 @@ class _Responder:
         self.quirks = quirks
         self.id = f"chatcmpl-scripted-{seq}"
         self.created = int(time.time())
-        self.outputs = generate(req.last_user_text, req.n, req.max_tokens)
+        self.outputs = generate(req.last_user_text, req.n, req.max_tokens, req.plan)
         self.prompt_ids = text_token_ids(req.prompt_text)
 
     def tool_call_id(self, choice: int, k: int) -> str:
