@@ -357,6 +357,10 @@ def _text_finish(value: Any) -> Literal["stop", "length", "content_filter"]:
     return "length" if value == "max_tokens" else "stop"
 
 
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
 def _text_logprobs(raw: Any) -> CompletionLogprobs | None:
     if not isinstance(raw, dict):
         return None
@@ -389,7 +393,7 @@ def normalize_text_completion(
         if not isinstance(item, dict):
             raise EngineBadResponse("the engine returned a malformed choice")
         index = _index(item, position)
-        text = item.get("text") if isinstance(item.get("text"), str) else ""
+        text = _str(item.get("text"))
         finish = _text_finish(item.get("finish_reason"))
         logprobs = item.get("logprobs")
         choices.append(
@@ -458,7 +462,7 @@ class TextStreamAssembler:
                 continue
             index = _index(item, position)
             state = self.choices.setdefault(index, _TextState())
-            text = item.get("text") if isinstance(item.get("text"), str) else ""
+            text = _str(item.get("text"))
             state.text.append(text)
             prompt_ids = _int_list(item.get("prompt_token_ids"))
             if prompt_ids and self.prompt_token_ids is None:
