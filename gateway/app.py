@@ -157,7 +157,6 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         router,
         sink,
         chat,
-        max_body_bytes=settings.max_body_bytes,
         capture_embeddings=settings.capture_embeddings,
     )
     keys = KeyRing(settings.api_keys, settings.admin_key)

@@ -125,9 +125,8 @@ class ChatService:
         log.info("stitch cache warmed with %d conversation tails", len(keys))
 
     # ------------------------------------------------------------------ validation
-    def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
-        """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
-        started = time.perf_counter()
+    def decode_body(self, raw_body: bytes) -> dict[str, Any]:
+        """A request body as a JSON object, or the 4xx (503 while shutting down) that refuses it."""
         if self.sink.closing:
             raise APIError(
                 "the gateway is shutting down; retry on another replica or after it restarts",
@@ -146,6 +145,12 @@ class ChatService:
             raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
+        """Validate a request and decide where it goes. Raises `APIError` (4xx) and writes nothing on bad input."""
+        started = time.perf_counter()
+        body = self.decode_body(raw_body)
         try:
             request = msgspec.convert(body, ChatCompletionRequest)
         except msgspec.ValidationError as exc:

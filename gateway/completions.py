@@ -22,14 +22,13 @@ from gateway.capture import CaptureSink
 from gateway.chat import ChatService, validation_error
 from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
-from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
+from gateway.errors import APIError, InvalidRequest, PermissionDenied
 from gateway.normalize import Captured, TextStreamAssembler, normalize_embeddings, normalize_text_completion
 from gateway.protocol import CompletionRequest, EmbeddingRequest, uniform_items
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from storage.records import CallRecord
 
-_decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
 _Request = TypeVar("_Request", CompletionRequest, EmbeddingRequest)
@@ -65,36 +64,17 @@ class RelayService:
         sink: CaptureSink,
         chat: ChatService,
         *,
-        max_body_bytes: int,
         capture_embeddings: bool,
     ) -> None:
         self.engine = engine
         self.router = router
         self.sink = sink
         self.chat = chat
-        self.max_body_bytes = max_body_bytes
         self.capture_embeddings = capture_embeddings
 
     # ------------------------------------------------------------------ validation
     def _parse(self, raw_body: bytes, kind: type[_Request]) -> tuple[dict[str, Any], _Request]:
-        if self.sink.closing:
-            raise APIError(
-                "the gateway is shutting down; retry on another replica or after it restarts",
-                status_code=503,
-                code="shutting_down",
-                retry_after=1.0,
-            )
-        if len(raw_body) > self.max_body_bytes:
-            raise PayloadTooLarge(
-                f"request body is {len(raw_body)} bytes; the limit is {self.max_body_bytes}",
-                code="body_too_large",
-            )
-        try:
-            body = _decode(raw_body)
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        body = self.chat.decode_body(raw_body)
         try:
             return body, msgspec.convert(body, kind)
         except msgspec.ValidationError as exc:

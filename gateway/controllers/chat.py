@@ -31,13 +31,7 @@ class ChatController(Controller):
         # x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
         # client's own x-request-id is stored beside it and echoed as x-client-request-id.
         # x-kaizen-model: what actually served the call (`policy@N` for a policy), so clients can tell versions apart.
-        headers = {
-            "x-request-id": ctx.call_id,
-            "x-episode-id": ctx.episode_id,
-            "x-kaizen-model": ctx.route.engine_model,
-        }
-        if ctx.client_request_id is not None:
-            headers["x-client-request-id"] = ctx.client_request_id
+        headers = call_headers(ctx.call_id, ctx.episode_id, ctx.route.engine_model, ctx.client_request_id)
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)
@@ -49,6 +43,16 @@ class ChatController(Controller):
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
             exc.headers.update(headers)
             raise
+
+
+def call_headers(
+    call_id: str, episode_id: str, engine_model: str, client_request_id: str | None
+) -> dict[str, str]:
+    """The ids every captured call's answer carries (its error answer too)."""
+    headers = {"x-request-id": call_id, "x-episode-id": episode_id, "x-kaizen-model": engine_model}
+    if client_request_id is not None:
+        headers["x-client-request-id"] = client_request_id
+    return headers
 
 
 class ClientDisconnected(APIError):

@@ -10,20 +10,13 @@ from litestar.response import Stream
 
 from gateway.auth import principal_of, requires
 from gateway.completions import RelayContext, RelayService
-from gateway.controllers.chat import unless_disconnected
+from gateway.controllers.chat import call_headers, unless_disconnected
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
 
 
 def _headers(ctx: RelayContext) -> dict[str, str]:
-    headers = {
-        "x-request-id": ctx.call_id,
-        "x-episode-id": ctx.episode_id,
-        "x-kaizen-model": ctx.route.engine_model,
-    }
-    if ctx.client_request_id is not None:
-        headers["x-client-request-id"] = ctx.client_request_id
-    return headers
+    return call_headers(ctx.call_id, ctx.episode_id, ctx.route.engine_model, ctx.client_request_id)
 
 
 class CompletionsController(Controller):
