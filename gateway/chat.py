@@ -12,13 +12,13 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, EngineStream
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
@@ -62,6 +62,42 @@ class CallContext:
     principal: Principal
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
+
+
+class EventSource(Protocol):
+    """A stream assembler: normalises each engine chunk (None: send nothing) and knows when output began."""
+
+    def feed(self, raw: Any) -> msgspec.Struct | None: ...
+
+    @property
+    def output_seen(self) -> bool: ...
+
+
+async def relay_events(
+    engine_stream: EngineStream,
+    assembler: EventSource,
+    started: float,
+    finish: Callable[[str, APIError | None, float | None], None],
+) -> AsyncIterator[bytes]:
+    """The SSE relay of an engine stream. `finish(status, error, time to first output)` runs before the final
+    event (`[DONE]` or the error) is sent, so a client that saw the end of its stream has a logged call; it runs
+    on a client disconnect too (the relay is closed at its `yield`), where the partial reply counts."""
+    status, error, ttft = "client_disconnected", None, None
+    try:
+        async for raw in engine_stream:
+            chunk = assembler.feed(raw)
+            if chunk is None:
+                continue
+            if ttft is None and assembler.output_seen:
+                ttft = time.perf_counter() - started
+            yield b"data: " + _encode(chunk) + b"\n\n"
+        status = "ok"
+    except APIError as exc:
+        status, error = "error", exc
+    finally:
+        await engine_stream.close()
+        finish(status, error, ttft)
+    yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
 
 
 def _allowed_names(choice: AllowedToolsChoice) -> set[str]:
@@ -279,27 +315,11 @@ class ChatService:
             keep_usage=include_usage,
         )
 
-        async def relay() -> AsyncIterator[bytes]:
-            status, error, ttft = "client_disconnected", None, None
-            try:
-                async for raw in engine_stream:
-                    chunk = assembler.feed(raw)
-                    if chunk is None:
-                        continue
-                    if ttft is None and assembler.first_content_seen:
-                        ttft = time.perf_counter() - ctx.started
-                    yield b"data: " + _encode(chunk) + b"\n\n"
-                status = "ok"
-            except APIError as exc:
-                status, error = "error", exc
-            finally:
-                # Runs on a client disconnect too (the relay is closed at its `yield`): the partial reply counts.
-                await engine_stream.close()
-                self.router.release(ctx.route)
-                self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
-            yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
+        def finish(status: str, error: APIError | None, ttft: float | None) -> None:
+            self.router.release(ctx.route)
+            self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
 
-        return relay()
+        return relay_events(engine_stream, assembler, ctx.started, finish)
 
     # ------------------------------------------------------------------ capture
     def _record(

@@ -19,7 +19,7 @@ import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.chat import ChatService, validation_error
+from gateway.chat import ChatService, relay_events, validation_error
 from gateway.engines.base import Engine
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PermissionDenied
@@ -30,7 +30,6 @@ from gateway.routing import ModelRouter, Route
 from storage.records import CallRecord
 
 _encode = msgspec.json.Encoder().encode
-_DONE = b"data: [DONE]\n\n"
 _Request = TypeVar("_Request", CompletionRequest, EmbeddingRequest)
 
 
@@ -209,26 +208,11 @@ class RelayService:
             keep_usage=ctx.keep_usage,
         )
 
-        async def relay() -> AsyncIterator[bytes]:
-            status, error, ttft = "client_disconnected", None, None
-            try:
-                async for raw in engine_stream:
-                    chunk = assembler.feed(raw)
-                    if chunk is None:
-                        continue
-                    if ttft is None and assembler.first_text_seen:
-                        ttft = time.perf_counter() - ctx.started
-                    yield b"data: " + _encode(chunk) + b"\n\n"
-                status = "ok"
-            except APIError as exc:
-                status, error = "error", exc
-            finally:
-                await engine_stream.close()
-                self.router.release(ctx.route)
-                self._record(ctx, request, assembler.captured(), status=status, error=error, ttft=ttft)
-            yield b"data: " + _encode(error.body()) + b"\n\n" if error is not None else _DONE
+        def finish(status: str, error: APIError | None, ttft: float | None) -> None:
+            self.router.release(ctx.route)
+            self._record(ctx, request, assembler.captured(), status=status, error=error, ttft=ttft)
 
-        return relay()
+        return relay_events(engine_stream, assembler, ctx.started, finish)
 
     async def embed(self, ctx: RelayContext) -> bytes:
         request = {"input": ctx.body.get("input"), "params": _params(ctx.body, "input")}

@@ -316,7 +316,7 @@ class StreamAssembler:
         return chunks
 
     @property
-    def first_content_seen(self) -> bool:
+    def output_seen(self) -> bool:
         return any(s.content or s.tool_calls for s in self.choices.values())
 
     def captured(self) -> Captured:
@@ -487,7 +487,7 @@ class TextStreamAssembler:
         return chunk
 
     @property
-    def first_text_seen(self) -> bool:
+    def output_seen(self) -> bool:
         return any("".join(s.text) for s in self.choices.values())
 
     def captured(self) -> Captured:
