@@ -67,11 +67,10 @@ def scripted(
 
 def _rows(gateway: GatewayServer) -> list[dict[str, Any]]:
     gateway.flush()
-    rows = query(
+    return query(
         gateway.settings.database_url,
         "SELECT id, episode_id, position, status, created_at FROM calls ORDER BY created_at, position",
     )
-    return rows
 
 
 def run_and_check_capture(case: Case, target: Target, gateway: GatewayServer) -> None:
