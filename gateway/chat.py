@@ -12,18 +12,26 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, EngineStream
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.metrics import CallMetrics
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
-from gateway.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from gateway.protocol import (
+    AllowedToolsChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    NamedCustomToolChoice,
+    NamedToolChoice,
+    tool_name,
+)
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from gateway.tracing import TRACE_HEADERS, CallTracer
@@ -65,7 +73,89 @@ class CallContext:
     trace_parent: dict[str, str] | None = None
 
 
-def _validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
+class EventSource(Protocol):
+    """A stream assembler: normalises each engine chunk (None: send nothing) and knows when output began."""
+
+    def feed(self, raw: Any) -> msgspec.Struct | None: ...
+
+    @property
+    def output_seen(self) -> bool: ...
+
+
+async def event_chunks(
+    engine_stream: EngineStream,
+    assembler: EventSource,
+    started: float,
+    finish: Callable[[str, APIError | None, float | None], None],
+) -> AsyncGenerator[Any, None]:
+    """The conformant chunks of an engine stream. `finish(status, error, time to first output)` runs when they
+    end: before the iteration stops, before an engine failure is raised to the consumer as `APIError`, and when
+    the consumer closes the generator early (a client disconnect, where the partial reply counts)."""
+    status, error, ttft = "client_disconnected", None, None
+    try:
+        async for raw in engine_stream:
+            chunk = assembler.feed(raw)
+            if chunk is None:
+                continue
+            if ttft is None and assembler.output_seen:
+                ttft = time.perf_counter() - started
+            yield chunk
+        status = "ok"
+    except APIError as exc:
+        status, error = "error", exc
+        raise
+    finally:
+        await engine_stream.close()
+        finish(status, error, ttft)
+
+
+async def sse(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
+    """Server-sent events of `event_chunks`: the call is recorded before the final event (`[DONE]`, or the
+    error in OpenAI's shape) goes out, so a client that saw the end of its stream has a logged call."""
+    try:
+        async for chunk in chunks:
+            yield b"data: " + _encode(chunk) + b"\n\n"
+    except APIError as exc:
+        yield b"data: " + _encode(exc.body()) + b"\n\n"
+        return
+    finally:
+        await chunks.aclose()
+    yield _DONE
+
+
+def relay_events(
+    engine_stream: EngineStream,
+    assembler: EventSource,
+    started: float,
+    finish: Callable[[str, APIError | None, float | None], None],
+) -> AsyncIterator[bytes]:
+    """The SSE relay of an engine stream (`event_chunks` sent as `sse`)."""
+    return sse(event_chunks(engine_stream, assembler, started, finish))
+
+
+def _allowed_names(choice: AllowedToolsChoice) -> set[str]:
+    """Names of `allowed_tools` references: `{"type": "function", "function": {"name"}}` (or `"name"` beside the
+    type, as the Responses API writes it), and likewise for custom tools."""
+    names = set()
+    for ref in choice.allowed_tools.tools:
+        inner = ref.get(str(ref.get("type")))
+        name = inner.get("name") if isinstance(inner, dict) else ref.get("name")
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
+def _narrowed_tools(tools: list[Any], choice: AllowedToolsChoice) -> dict[str, Any]:
+    """`allowed_tools` for an engine without it: the allowed tools alone under the choice's mode, the same
+    constraint (the prompt then lists only those, which are all the model may call anyway)."""
+    allowed = _allowed_names(choice)
+    kept = [t for t in tools if (t.get(t.get("type")) or {}).get("name") in allowed]
+    if not kept:
+        return {"tools": None, "tool_choice": "none"}
+    return {"tools": kept, "tool_choice": choice.allowed_tools.mode}
+
+
+def validation_error(exc: msgspec.ValidationError) -> InvalidRequest:
     message = str(exc)
     match = _PATH.search(message)
     return InvalidRequest(message, param=match.group(1) if match else None, code="invalid_value")
@@ -122,10 +212,10 @@ class ChatService:
 
     def _prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
         started = time.perf_counter()
-        return self.prepare_body(self.decode(raw_body), headers, principal, started=started)
+        return self.prepare_body(self.decode_body(raw_body), headers, principal, started=started)
 
-    def decode(self, raw_body: bytes) -> dict[str, Any]:
-        """The JSON object of a request body; refused while shutting down, when too large or not an object."""
+    def decode_body(self, raw_body: bytes) -> dict[str, Any]:
+        """A request body as a JSON object, or the 4xx (503 while shutting down) that refuses it."""
         if self.sink.closing:
             raise APIError(
                 "the gateway is shutting down; retry on another replica or after it restarts",
@@ -161,7 +251,7 @@ class ChatService:
         try:
             request = msgspec.convert(body, ChatCompletionRequest)
         except msgspec.ValidationError as exc:
-            raise _validation_error(exc) from exc
+            raise validation_error(exc) from exc
         self._check(request)
         route = self.router.resolve(request.model)
         if not principal.may_use(request.model, route.policy):
@@ -199,8 +289,21 @@ class ChatService:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if request.tool_choice not in (None, "none", "auto") and not request.tools:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
-        if request.tools and len({t.function.name for t in request.tools}) != len(request.tools):
-            raise InvalidRequest("tool function names must be unique", param="tools")
+        names = [tool_name(t) for t in request.tools or []]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("tool names must be unique", param="tools")
+        choice = request.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if isinstance(choice, NamedCustomToolChoice):
+            named = choice.custom.name
+        if named is not None and named not in names:
+            raise InvalidRequest(f"tool_choice names `{named}`, which is not in tools", param="tool_choice")
+        if isinstance(choice, AllowedToolsChoice) and not _allowed_names(choice) <= set(names):
+            unknown = ", ".join(sorted(_allowed_names(choice) - set(names)))
+            raise InvalidRequest(
+                f"allowed_tools names tools that are not in tools: {unknown}",
+                param="tool_choice.allowed_tools",
+            )
         # Stored in text columns, which on PostgreSQL cannot hold NUL; content and metadata are JSON (lossless).
         for param, value in (
             ("user", request.user),
@@ -222,6 +325,8 @@ class ChatService:
             body["return_token_ids"] = True
         if ctx.request.stream:
             body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
+        if isinstance(ctx.request.tool_choice, AllowedToolsChoice) and not caps.allowed_tools:
+            body.update(_narrowed_tools(body.get("tools") or [], ctx.request.tool_choice))
         return body
 
     async def _acquire(self, ctx: CallContext) -> None:
@@ -259,24 +364,8 @@ class ChatService:
         return completion
 
     async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
-        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay.
-
-        The relay records the call before it sends the final event (`[DONE]` or the error), so a client that
-        saw the end of its stream has a durably logged call."""
-        chunks = await self.stream_chunks(ctx)
-
-        async def relay() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks:
-                    yield b"data: " + _encode(chunk) + b"\n\n"
-            except APIError as exc:
-                yield b"data: " + _encode(exc.body()) + b"\n\n"
-                return
-            finally:
-                await chunks.aclose()  # on a client disconnect, records the partial reply
-            yield _DONE
-
-        return relay()
+        """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
+        return sse(await self.stream_chunks(ctx))
 
     async def stream_chunks(self, ctx: CallContext) -> AsyncGenerator[ChatCompletionChunk, None]:
         """Open the engine stream (errors raise here) and return its conformant chunks.
@@ -298,27 +387,11 @@ class ChatService:
             keep_usage=include_usage,
         )
 
-        async def chunks() -> AsyncGenerator[ChatCompletionChunk, None]:
-            status, error, ttft = "client_disconnected", None, None
-            try:
-                async for raw in engine_stream:
-                    chunk = assembler.feed(raw)
-                    if chunk is None:
-                        continue
-                    if ttft is None and assembler.first_content_seen:
-                        ttft = time.perf_counter() - ctx.started
-                    yield chunk
-                status = "ok"
-            except APIError as exc:
-                status, error = "error", exc
-                raise
-            finally:
-                # Runs on a client disconnect too (the consumer closes us at our `yield`): the partial reply counts.
-                await engine_stream.close()
-                self.router.release(ctx.route)
-                self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
+        def finish(status: str, error: APIError | None, ttft: float | None) -> None:
+            self.router.release(ctx.route)
+            self._record(ctx, assembler.captured(), status=status, error=error, ttft=ttft)
 
-        return chunks()
+        return event_chunks(engine_stream, assembler, ctx.started, finish)
 
     # ------------------------------------------------------------------ capture
     def _record(

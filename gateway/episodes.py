@@ -23,6 +23,7 @@ from storage.models import DEFAULT_PROJECT
 
 _ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 _encode = msgspec.json.encode
+_decode = msgspec.json.decode
 
 
 def new_id() -> str:
@@ -33,30 +34,57 @@ def valid_id(value: str) -> bool:
     return bool(_ID_PATTERN.match(value))
 
 
+def _json_value(text: str) -> str:
+    """A JSON object or array as one canonical text (no whitespace, sorted keys, escapes decoded), so clients
+    that re-serialise what they got back (`{"city":"Paris"}` for `{"city": "Paris"}`) send the same thing;
+    any other text as it is."""
+    stripped = text.lstrip()
+    if not stripped.startswith(("{", "[")):
+        return text
+    try:
+        value = _decode(stripped)
+    except msgspec.DecodeError:
+        return text
+    return _encode(value, order="sorted").decode()
+
+
 def _text(content: Any) -> str:
+    """Content as one text: a string, or the texts of its parts (extra part fields such as `cache_control`
+    do not count); non-text parts by their canonical JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _json_value(content)
     if isinstance(content, list):
-        return "".join(
-            p.get("text", "") if isinstance(p, dict) and "text" in p else _encode(p).decode() for p in content
+        return _json_value(
+            "".join(
+                p["text"]
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+                else _encode(p, order="sorted").decode()
+                for p in content
+            )
         )
     return str(content)
 
 
+def _arguments(call: Mapping[str, Any]) -> list[Any]:
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return [None, None]
+    arguments = function.get("arguments")
+    return [function.get("name"), _json_value(arguments) if isinstance(arguments, str) else arguments]
+
+
 def _canonical(message: Mapping[str, Any]) -> bytes:
-    """The parts of a message that identify it when a client sends it back (ids and nulls vary by SDK)."""
+    """The parts of a message that identify it when a client sends it back, compared by value: ids and nulls
+    vary by SDK, and so do JSON formatting and whether content is a string or text parts. Plain text hashes
+    exactly as it did before JSON was compared by value, so stored keys of text conversations stay valid."""
     calls = message.get("tool_calls") or []
     return _encode(
         [
             message.get("role"),
             _text(message.get("content")),
-            [
-                [c.get("function", {}).get("name"), c.get("function", {}).get("arguments")]
-                for c in calls
-                if isinstance(c, dict)
-            ],
+            [_arguments(c) for c in calls if isinstance(c, dict)],
             message.get("tool_call_id"),
         ]
     )

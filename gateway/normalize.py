@@ -8,7 +8,7 @@ adds its own fields), so output is rebuilt field by field from `gateway.protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from gateway.errors import EngineBadResponse
 from gateway.protocol import (
@@ -17,11 +17,17 @@ from gateway.protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionChoice,
+    CompletionLogprobs,
     Delta,
+    Embedding,
+    EmbeddingList,
+    EmbeddingUsage,
     FinishReason,
     ResponseFunction,
     ResponseMessage,
     ResponseToolCall,
+    TextCompletion,
     TokenLogprob,
     ToolCallChunk,
     ToolCallChunkFunction,
@@ -310,7 +316,7 @@ class StreamAssembler:
         return chunks
 
     @property
-    def first_content_seen(self) -> bool:
+    def output_seen(self) -> bool:
         return any(s.content or s.tool_calls for s in self.choices.values())
 
     def captured(self) -> Captured:
@@ -339,3 +345,182 @@ class StreamAssembler:
             completion_logprobs=logprobs if any(logprobs) else None,
             usage=_usage_dict(self.usage),
         )
+
+
+# ----------------------------------------------------------------------------- text completions and embeddings
+_TEXT_FINISH = {"stop", "length", "content_filter"}
+
+
+def _text_finish(value: Any) -> Literal["stop", "length", "content_filter"]:
+    if value in _TEXT_FINISH:
+        return cast(Literal["stop", "length", "content_filter"], value)
+    return "length" if value == "max_tokens" else "stop"
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _text_logprobs(raw: Any) -> CompletionLogprobs | None:
+    if not isinstance(raw, dict):
+        return None
+    logprobs = CompletionLogprobs()
+    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+        value = raw.get(name)
+        if isinstance(value, list):
+            setattr(logprobs, name, value)
+    return logprobs
+
+
+def _behaviour(raw: Any) -> list[float]:
+    """The sampled tokens' logprobs of a text completion choice (`token_logprobs`, nulls for echoed prompt)."""
+    values = raw.get("token_logprobs") if isinstance(raw, dict) else None
+    return [float(v) for v in values or [] if isinstance(v, int | float)]
+
+
+def normalize_text_completion(
+    raw: Any, *, response_id: str, model: str, keep_logprobs: bool
+) -> tuple[TextCompletion, Captured]:
+    """Rebuild a non-streamed `/completions` answer as a conformant `CreateCompletionResponse`."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("choices"), list):
+        raise EngineBadResponse("the engine returned a response without a `choices` list")
+    choices: list[CompletionChoice] = []
+    stored: list[dict[str, Any]] = []
+    token_ids: list[list[int] | None] = []
+    behaviour: list[list[float] | None] = []
+    prompt_ids: list[list[int] | None] = []
+    for position, item in enumerate(raw["choices"]):
+        if not isinstance(item, dict):
+            raise EngineBadResponse("the engine returned a malformed choice")
+        index = _index(item, position)
+        text = _str(item.get("text"))
+        finish = _text_finish(item.get("finish_reason"))
+        logprobs = item.get("logprobs")
+        choices.append(
+            CompletionChoice(finish, index, _text_logprobs(logprobs) if keep_logprobs else None, text)
+        )
+        stored.append({"index": index, "text": text, "finish_reason": finish})
+        token_ids.append(_int_list(item.get("token_ids")))
+        behaviour.append(_behaviour(logprobs) or None)
+        prompt_ids.append(_int_list(item.get("prompt_token_ids")))
+    usage = _usage(raw.get("usage"))
+    created = raw.get("created")
+    completion = TextCompletion(
+        id=response_id,
+        choices=choices,
+        created=int(created) if isinstance(created, int | float) else 0,
+        model=model,
+    )
+    if usage is not None:
+        completion.usage = usage
+    # One prompt's ids (every choice of one prompt shares them); a batch of prompts keeps none.
+    distinct = {tuple(p) for p in prompt_ids if p is not None}
+    captured = Captured(
+        response={"choices": stored},
+        prompt_token_ids=list(distinct.pop())
+        if len(distinct) == 1
+        else _int_list(raw.get("prompt_token_ids")),
+        completion_token_ids=token_ids if any(t is not None for t in token_ids) else None,
+        completion_logprobs=behaviour if any(b is not None for b in behaviour) else None,
+        usage=_usage_dict(usage),
+    )
+    return completion, captured
+
+
+@dataclass
+class _TextState:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class TextStreamAssembler:
+    """Normalises `/completions` stream chunks and assembles each choice's text for capture."""
+
+    def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.keep_logprobs = keep_logprobs
+        self.keep_usage = keep_usage
+        self.created = 0
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: Usage | None = None
+        self.choices: dict[int, _TextState] = {}
+
+    def feed(self, raw: Any) -> TextCompletion | None:
+        if not isinstance(raw, dict):
+            raise EngineBadResponse("the engine sent a malformed stream chunk")
+        if not self.created and isinstance(raw.get("created"), int | float):
+            self.created = int(raw["created"])
+        usage = _usage(raw.get("usage"))
+        if usage is not None:
+            self.usage = usage
+        out: list[CompletionChoice] = []
+        for position, item in enumerate(raw.get("choices") or []):
+            if not isinstance(item, dict):
+                continue
+            index = _index(item, position)
+            state = self.choices.setdefault(index, _TextState())
+            text = _str(item.get("text"))
+            state.text.append(text)
+            prompt_ids = _int_list(item.get("prompt_token_ids"))
+            if prompt_ids and self.prompt_token_ids is None:
+                self.prompt_token_ids = prompt_ids
+            state.token_ids.extend(_int_list(item.get("token_ids")) or [])
+            logprobs = item.get("logprobs")
+            state.logprobs.extend(_behaviour(logprobs))
+            finish = (
+                _text_finish(item.get("finish_reason")) if item.get("finish_reason") is not None else None
+            )
+            state.finish_reason = finish or state.finish_reason
+            out.append(
+                CompletionChoice(
+                    finish, index, _text_logprobs(logprobs) if self.keep_logprobs else None, text
+                )
+            )
+        if not out and (usage is None or not self.keep_usage):
+            return None
+        chunk = TextCompletion(id=self.response_id, choices=out, created=self.created, model=self.model)
+        if self.keep_usage and usage is not None and not out:  # only on the last chunk (the spec has no null)
+            chunk.usage = usage
+        return chunk
+
+    @property
+    def output_seen(self) -> bool:
+        return any("".join(s.text) for s in self.choices.values())
+
+    def captured(self) -> Captured:
+        states = [self.choices[i] for i in sorted(self.choices)]
+        stored = [
+            {
+                "index": i,
+                "text": "".join(self.choices[i].text),
+                "finish_reason": self.choices[i].finish_reason,
+            }
+            for i in sorted(self.choices)
+        ]
+        token_ids = [s.token_ids or None for s in states]
+        logprobs = [s.logprobs or None for s in states]
+        return Captured(
+            response={"choices": stored},
+            prompt_token_ids=self.prompt_token_ids,
+            completion_token_ids=token_ids if any(token_ids) else None,
+            completion_logprobs=logprobs if any(logprobs) else None,
+            usage=_usage_dict(self.usage),
+        )
+
+
+def normalize_embeddings(raw: Any, *, model: str) -> EmbeddingList:
+    """Rebuild an `/embeddings` answer as a conformant `CreateEmbeddingResponse`."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+        raise EngineBadResponse("the engine returned embeddings without a `data` list")
+    data = []
+    for position, item in enumerate(raw["data"]):
+        vector = item.get("embedding") if isinstance(item, dict) else None
+        if not isinstance(vector, list | str):
+            raise EngineBadResponse("the engine returned a malformed embedding")
+        data.append(Embedding(_index(item, position), vector))
+    usage = _dict(raw.get("usage"))
+    prompt = int(usage.get("prompt_tokens") or 0)
+    return EmbeddingList(model, data, EmbeddingUsage(prompt, int(usage.get("total_tokens") or prompt)))

@@ -14,7 +14,9 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 # ----------------------------------------------------------------------------- request
 
 
-class TextPart(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+class TextPart(Struct, tag_field="type", tag="text"):
+    """Extra fields (`cache_control`, `prompt_cache_breakpoint`, ...) are the engine's business: forwarded."""
+
     text: str
 
 
@@ -92,18 +94,74 @@ class FunctionDefinition(Struct):
     strict: bool | None = None
 
 
-class Tool(Struct):
+class FunctionTool(Struct, tag_field="type", tag="function"):
+    """`ChatCompletionTool`."""
+
     function: FunctionDefinition
-    type: Literal["function"] = "function"
+
+
+class CustomTextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    """A custom tool's unconstrained text input."""
+
+
+class Grammar(Struct):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class GrammarFormat(Struct, tag_field="type", tag="grammar"):
+    grammar: Grammar
+
+
+class CustomToolDefinition(Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    format: CustomTextFormat | GrammarFormat | None = None
+
+
+class CustomTool(Struct, tag_field="type", tag="custom"):
+    """`CustomToolChatCompletions`: free-form input instead of JSON arguments (forwarded; vLLM refuses it)."""
+
+    custom: CustomToolDefinition
+
+
+Tool = FunctionTool | CustomTool
+
+
+def tool_name(tool: Tool) -> str:
+    return tool.function.name if isinstance(tool, FunctionTool) else tool.custom.name
 
 
 class NamedFunction(Struct):
     name: str
 
 
-class NamedToolChoice(Struct):
+class NamedToolChoice(Struct, tag_field="type", tag="function"):
+    """`ChatCompletionNamedToolChoice`."""
+
     function: NamedFunction
-    type: Literal["function"] = "function"
+
+
+class NamedCustomToolChoice(Struct, tag_field="type", tag="custom"):
+    """`ChatCompletionNamedToolChoiceCustom`."""
+
+    custom: NamedFunction
+
+
+class AllowedTools(Struct):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class AllowedToolsChoice(Struct, tag_field="type", tag="allowed_tools"):
+    """`ChatCompletionAllowedToolsChoice`: the model may only call these of the request's tools."""
+
+    allowed_tools: AllowedTools
+
+
+ToolChoice = (
+    Literal["none", "auto", "required"] | AllowedToolsChoice | NamedToolChoice | NamedCustomToolChoice
+)
 
 
 class StreamOptions(Struct):
@@ -137,7 +195,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     seed: Seed | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -149,6 +207,62 @@ class ChatCompletionRequest(Struct, kw_only=True):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+
+
+# A text, or a list of texts, of token ids, or of token-id lists (msgspec allows one array type per union, so
+# the list's items are checked to be of one kind by `uniform_items`).
+Prompt = str | Annotated[list[str | int | Annotated[list[int], Meta(min_length=1)]], Meta(min_length=1)]
+
+
+class CompletionRequest(Struct, kw_only=True):
+    """`CreateCompletionRequest` (legacy text completions), the fields Kaizen checks; the rest is forwarded."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: Prompt
+    best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None  # not in the spec for completions; Kaizen's episode and group keys
+
+
+EmbeddingInput = (
+    Annotated[str, Meta(min_length=1)]
+    | Annotated[
+        list[Annotated[str, Meta(min_length=1)] | int | Annotated[list[int], Meta(min_length=1)]],
+        Meta(min_length=1, max_length=2048),
+    ]
+)
+
+
+def uniform_items(value: str | list[Any]) -> bool:
+    """A prompt or embedding input list holds one kind of item: texts, token ids, or token-id lists."""
+    if isinstance(value, str):
+        return True
+    kinds = {type(item) for item in value}
+    return len(kinds) == 1
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    """`CreateEmbeddingRequest`."""
+
+    input: EmbeddingInput
+    model: Annotated[str, Meta(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
+    user: str | None = None
 
 
 # ----------------------------------------------------------------------------- response
@@ -253,6 +367,52 @@ class ChatCompletionChunk(Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | UnsetType | None = UNSET
     system_fingerprint: str | UnsetType = UNSET
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int] | UnsetType = UNSET
+    token_logprobs: list[float | None] | UnsetType = UNSET
+    tokens: list[str] | UnsetType = UNSET
+    top_logprobs: list[dict[str, float] | None] | UnsetType = UNSET
+
+
+class CompletionChoice(Struct):
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+    index: int
+    logprobs: CompletionLogprobs | None
+    text: str
+
+
+class TextCompletion(Struct):
+    """`CreateCompletionResponse`; stream chunks share the shape (`finish_reason` null until the last)."""
+
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | UnsetType = UNSET
+    system_fingerprint: str | UnsetType = UNSET
+
+
+class Embedding(Struct):
+    index: int
+    embedding: list[float] | str
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Struct):
+    """`CreateEmbeddingResponse`."""
+
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
 
 
 class ModelCard(Struct):

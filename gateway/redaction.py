@@ -285,7 +285,7 @@ def redact_call(record: CallRecord, redactor: Redactor) -> CallRecord:
         response = redactor.value(original)
         choices = response.get("choices") or []
         for index, (old, new) in enumerate(zip(original.get("choices") or [], choices, strict=False)):
-            if old.get("message") == new.get("message"):
+            if old.get("message") == new.get("message") and old.get("text") == new.get("text"):
                 continue
             new["logprobs"] = None
             if completion_ids is not None and index < len(completion_ids):

@@ -79,7 +79,7 @@ class ResponsesService:
 
         Only a `previous_response_id` or an `item_reference` this replica does not hold reads the database."""
         started = time.perf_counter()
-        body = self.chat.decode(raw_body)
+        body = self.chat.decode_body(raw_body)
         request = parse_request(body)
         items = parse_items(request.input)
         tools = translate_tools(request)

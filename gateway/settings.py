@@ -129,7 +129,8 @@ class Settings(BaseSettings):
     vllm_dtype: str = Field("bfloat16", description="Weights dtype vLLM serves in.")
     vllm_tool_call_parser: str = Field(
         "",
-        description="vLLM tool-call parser. Default: the embedded model's own (`hermes`); none for other models.",
+        description="vLLM tool-call parser (`hermes`, `mistral`, `llama3_json`, ...), or `none` to serve without "
+        "tool calls. Default: the one the chat template's tool-call markers show (`hermes` for the embedded model).",
     )
     vllm_chat_template: str = Field(
         "", description="Chat template file for vLLM. Default: the one saved with the model directory."
@@ -207,6 +208,13 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a read of a stored response that SQL does not hold yet (created a moment ago on "
         "another replica, still in its capture queue) retries before answering 404.",
+    )
+
+    # --- relayed routes
+    capture_embeddings: bool = Field(
+        False,
+        description="Store `/v1/embeddings` calls (input and usage, never the vectors) as calls of their own "
+        "episodes. Off: embeddings are relayed and not stored.",
     )
 
     # --- rewards

@@ -71,8 +71,17 @@ def _reply(response: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str 
     if not choices:
         return None, None
     first = choices[0]
+    if "message" not in first and isinstance(first.get("text"), str):  # a text completion's reply
+        return {"role": "assistant", "content": first["text"]}, first.get("finish_reason")
     message = {k: v for k, v in (first.get("message") or {}).items() if v is not None}
     return message, first.get("finish_reason")
+
+
+def _context(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages a call answered; a text completion's prompt (a text) is shown as one user turn."""
+    if "messages" not in request and isinstance(request.get("prompt"), str):
+        return [{"role": "user", "content": request["prompt"]}]
+    return list(request.get("messages", []))
 
 
 async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dict[str, Trajectory]:
@@ -128,10 +137,10 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
         ]
         if answered:
             last_row, last_reply = answered[-1]
-            messages = [*last_row.request.get("messages", []), last_reply]
+            messages = [*_context(last_row.request), last_reply]
             tools = last_row.request.get("tools")
         elif rows:
-            messages = list(rows[-1].request.get("messages", []))
+            messages = _context(rows[-1].request)
             tools = rows[-1].request.get("tools")
         result[episode.id] = Trajectory(
             episode_id=episode.id,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
@@ -13,9 +13,10 @@ from litestar.response import Stream
 from litestar.types import Receive
 
 from gateway.auth import principal_of, requires
-from gateway.chat import CallContext, ChatService
+from gateway.chat import ChatService
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
+from gateway.routing import Route
 
 
 class ChatController(Controller):
@@ -42,10 +43,22 @@ class ChatController(Controller):
             raise
 
 
-def call_headers(ctx: CallContext) -> dict[str, str]:
+class CallIdentity(Protocol):
+    """What identifies a served call to its client: a chat, Responses or relayed call's context."""
+
+    call_id: str
+    episode_id: str
+    client_request_id: str | None
+
+    @property
+    def route(self) -> Route: ...
+
+
+def call_headers(ctx: CallIdentity) -> dict[str, str]:
     """x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
     client's own x-request-id is stored beside it and echoed as x-client-request-id. x-kaizen-model: what
-    actually served the call (`policy@N` for a policy), so clients can tell versions apart."""
+    actually served the call (`policy@N` for a policy), so clients can tell versions apart. Error answers of a
+    captured call carry them too."""
     headers = {
         "x-request-id": ctx.call_id,
         "x-episode-id": ctx.episode_id,

@@ -1,4 +1,4 @@
-"""`GET /v1/models`."""
+"""`GET /v1/models` and `GET /v1/models/{id}`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from typing import Any
 
 from litestar import Controller, Request, get
 from litestar.di import NamedDependency
+from litestar.params import FromPath
 
 from gateway.auth import principal_of, requires
+from gateway.errors import NotFound
 from gateway.protocol import ModelCard, ModelList
 from gateway.routing import ModelRouter
 
@@ -24,3 +26,20 @@ class ModelsController(Controller):
         principal = principal_of(request)
         names = [name for name in router.listed() if principal.may_use(name, None)]
         return ModelList([ModelCard(name, router.created, "kaizen") for name in names])
+
+    @get("/{model_id:path}")
+    async def retrieve(
+        self, request: Request[Any, Any, Any], router: NamedDependency[ModelRouter], model_id: FromPath[str]
+    ) -> ModelCard:
+        """One model this key may call: a base model, a policy, or a pinned version `policy@N`. Ids may hold
+        a `/` (hub ids such as `org/model`), so the rest of the path is the id."""
+        name = model_id.lstrip("/")
+        route = router.resolve(name)  # 404 model_not_found for what does not exist
+        if not principal_of(request).may_use(name, route.policy):
+            # As for a model that does not exist: a key learns nothing about models it may not use.
+            raise NotFound(
+                f"The model `{name}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        return ModelCard(name, router.created, "kaizen")

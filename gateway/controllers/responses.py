@@ -40,9 +40,8 @@ class ResponsesController(Controller):
     ) -> Response[bytes] | Stream:
         call = await responses.prepare(await request.body(), request.headers, principal_of(request))
         call.ctx.charge_tokens = token_meter(request.scope)
-        headers = call_headers(
-            call.ctx
-        )  # as a chat completion's: feedback takes x-request-id or the response id
+        # As a chat completion's: feedback takes x-request-id or the response id.
+        headers = call_headers(call.ctx)
         try:
             if call.stream:
                 relay = await responses.stream(call)

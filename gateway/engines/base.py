@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.errors import NotFound
+
 
 @dataclass(frozen=True)
 class EngineCapabilities:
@@ -15,6 +17,8 @@ class EngineCapabilities:
     logprobs: bool
     token_ids: bool
     adapters: bool
+    # `tool_choice: {"type": "allowed_tools"}` understood; otherwise the gateway narrows `tools` itself.
+    allowed_tools: bool = True
 
 
 class EngineStream(ABC):
@@ -54,6 +58,14 @@ class Engine(ABC):
     @abstractmethod
     async def health(self) -> bool:
         """True when the engine answers; never raises."""
+
+    async def relay(self, path: str, body: dict[str, Any]) -> Any:
+        """One non-streamed call to another OpenAI route the engine serves (`/completions`, `/embeddings`)."""
+        raise NotFound(f"the {self.name} engine does not serve {path}", code="unsupported_route")
+
+    async def open_relay_stream(self, path: str, body: dict[str, Any]) -> EngineStream:
+        """A streamed call to another OpenAI route (`/completions`); errors before the first chunk raise."""
+        raise NotFound(f"the {self.name} engine does not serve {path}", code="unsupported_route")
 
     def loaded_adapters(self) -> list[str]:
         """Names of the adapters loaded right now (the router unloads the idle ones); none by default."""

@@ -152,7 +152,11 @@ class OpenAIHTTPClient:
         return response
 
     async def chat(self, body: dict[str, Any]) -> Any:
-        response = await self._post("/chat/completions", body)
+        return await self.request("/chat/completions", body)
+
+    async def request(self, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` to `path` (under the base URL) and return the decoded JSON answer."""
+        response = await self._post(path, body)
         try:
             data = await response.read()
         except TimeoutError as exc:
@@ -167,8 +171,8 @@ class OpenAIHTTPClient:
         except msgspec.DecodeError as exc:
             raise EngineBadResponse("the body was not valid JSON") from exc
 
-    async def open_stream(self, body: dict[str, Any]) -> EngineStream:
-        return _SSEStream(await self._post("/chat/completions", body))
+    async def open_stream(self, body: dict[str, Any], path: str = "/chat/completions") -> EngineStream:
+        return _SSEStream(await self._post(path, body))
 
     async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
         async with self.session.get(

@@ -33,6 +33,12 @@ class UpstreamEngine(Engine):
     async def open_stream(self, body: dict[str, Any]) -> EngineStream:
         return await self.client.open_stream(body)
 
+    async def relay(self, path: str, body: dict[str, Any]) -> Any:
+        return await self.client.request(path, body)
+
+    async def open_relay_stream(self, path: str, body: dict[str, Any]) -> EngineStream:
+        return await self.client.open_stream(body, path)
+
     async def list_models(self) -> list[str]:
         return await self.client.list_models()
 

@@ -93,7 +93,15 @@ class VLLMLaunch:
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.tool_call_parser:
-            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+            # `parameter`: every tool call is held to its tool's JSON schema by structured decoding, the forced
+            # ones (`required`, a named function) from the first token and, under `auto`, one the model starts
+            # on its own. Without it only the call's envelope is, and a small model's forced call is often
+            # free-form text no parser recovers.
+            cmd += [
+                "--enable-auto-tool-choice",
+                "--tool-call-parser", self.tool_call_parser,
+                "--tool-strict-level", "parameter",
+            ]  # fmt: skip
         if self.chat_template:
             cmd += ["--chat-template", self.chat_template]
         return cmd + self.extra_args
@@ -110,7 +118,7 @@ class VLLMLaunch:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True)
+    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True, allowed_tools=False)
 
     def __init__(
         self,
@@ -257,6 +265,14 @@ class VLLMEngine(Engine):
     async def open_stream(self, body: dict[str, Any]) -> EngineStream:
         self._require_ready()
         return await self.client.open_stream(body)
+
+    async def relay(self, path: str, body: dict[str, Any]) -> Any:
+        self._require_ready()
+        return await self.client.request(path, body)
+
+    async def open_relay_stream(self, path: str, body: dict[str, Any]) -> EngineStream:
+        self._require_ready()
+        return await self.client.open_stream(body, path)
 
     async def list_models(self) -> list[str]:
         return await self.client.list_models()

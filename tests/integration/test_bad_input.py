@@ -14,6 +14,7 @@ from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_upstream import ScriptedUpstream
 
 USER = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -63,6 +64,74 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         {},
         400,
         "tool_choice",
+    ),
+    (
+        "named tool_choice for a tool not given",
+        body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "other"}}),
+        {},
+        400,
+        "tool_choice",
+    ),
+    ("tool without a type", body(tools=[{"function": {"name": "f"}}]), {}, 400, "tools[0]"),
+    (
+        "custom tool without a name",
+        body(tools=[{"type": "custom", "custom": {}}]),
+        {},
+        400,
+        "tools[0].custom",
+    ),
+    (
+        "custom tool with an unknown format",
+        body(tools=[{"type": "custom", "custom": {"name": "sql", "format": {"type": "regex"}}}]),
+        {},
+        400,
+        "tools[0].custom.format.type",
+    ),
+    (
+        "allowed_tools with an unknown mode",
+        body(
+            tools=[WEATHER],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}},
+        ),
+        {},
+        400,
+        "tool_choice.allowed_tools.mode",
+    ),
+    (
+        "allowed_tools without its tools",
+        body(tools=[WEATHER], tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto"}}),
+        {},
+        400,
+        "tool_choice.allowed_tools",
+    ),
+    (
+        "allowed_tools naming a tool not given",
+        body(
+            tools=[WEATHER],
+            tool_choice={
+                "type": "allowed_tools",
+                "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "x"}}]},
+            },
+        ),
+        {},
+        400,
+        "tool_choice.allowed_tools",
+    ),
+    (
+        "custom tool_choice for a tool not given",
+        body(tools=[WEATHER], tool_choice={"type": "custom", "custom": {"name": "sql"}}),
+        {},
+        400,
+        "tool_choice",
+    ),
+    (
+        "text part without its text",
+        body(
+            messages=[{"role": "user", "content": [{"type": "text", "cache_control": {"type": "ephemeral"}}]}]
+        ),
+        {},
+        400,
+        "messages[0].content[0]",
     ),
     ("unknown response_format", body(response_format={"type": "xml"}), {}, 400, "response_format.type"),
     ("stream not a bool", body(stream="yes"), {}, 400, "stream"),

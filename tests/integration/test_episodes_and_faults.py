@@ -56,6 +56,37 @@ def test_prefix_stitching(make_gateway: MakeGateway, database_url: str) -> None:
     assert len({r["context_hash"] for r in rows[:3]}) == 1
 
 
+def test_tool_loop_stitches_when_the_client_reserialises_arguments(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A tool loop as the AI SDK sends it: the engine's `{"city": "Paris"}` comes back as `{"city":"Paris"}`,
+    and the text as content parts; it is still one episode."""
+    gw = make_gateway(database_url)
+    messages: list[Any] = [{"role": "user", "content": "weather? #tool"}]
+    first = client(gw).chat.completions.with_raw_response.create(model="scripted-1", messages=messages)
+    [call] = first.parse().choices[0].message.tool_calls or []
+    assert call.function.arguments == '{"city": "Paris"}'  # type: ignore[union-attr]
+    messages += [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    second = client(gw).chat.completions.with_raw_response.create(model="scripted-1", messages=messages)
+    episode = first.headers["x-episode-id"]
+    assert second.headers["x-episode-id"] == episode
+    rows = calls(gw, database_url)
+    assert [(r["episode_id"], r["position"]) for r in rows] == [(episode, 0), (episode, 1)]
+
+
 def test_stitching_survives_a_restart(make_gateway: MakeGateway, database_url: str) -> None:
     first = make_gateway(database_url)
     messages: list[Any] = [{"role": "user", "content": "remember me"}]

@@ -46,6 +46,7 @@ class Route:
     query: dict[str, list[str]] = field(default_factory=dict)  # query parameter -> malformed values
     reads_only: bool = False  # GET routes that answer 200 to input they ignore
     required: tuple[str, ...] = ()  # body fields whose absence is an error
+    number_field: str = "n"  # where "huge number" puts its 400-digit integer (a field the route checks)
 
 
 USER = [{"role": "user", "content": "hi"}]
@@ -100,6 +101,37 @@ ROUTES = [
         query={"limit": ["abc", "-1", "0", "101", "1e400", ""], "order": ["up", ""]},
     ),
     Route("DELETE", "/v1/responses/{response_id}", API_KEY, params={"response_id": "resp_none"}),
+    Route(
+        "POST",
+        "/v1/completions",
+        API_KEY,
+        {"model": "scripted-1", "prompt": "hi"},
+        {
+            "model": [12, None, "", "no-such-model"],
+            "prompt": [None, 5, [], [{"a": 1}], ["a", 1], [[]]],
+            "max_tokens": [-1, 10**30, "ten"],
+            "logprobs": [-1, 6, "x"],
+            "n": [0, 10**30],
+            "stream": ["yes"],
+            "stream_options": [{"include_usage": True}],
+        },
+        required=("model", "prompt"),
+    ),
+    Route(
+        "POST",
+        "/v1/embeddings",
+        API_KEY,
+        {"model": "scripted-1", "input": "hi"},
+        {
+            "model": [12, None, "", "no-such-model"],
+            "input": [None, 5, "", [], [""], ["a", 1], {"a": 1}],
+            "encoding_format": ["hex", 5],
+            "dimensions": [0, "x"],
+        },
+        required=("model", "input"),
+        number_field="dimensions",
+    ),
+    Route("GET", "/v1/models/{model_id}", API_KEY, params={"model_id": "scripted-1"}),
     Route(
         "POST",
         "/v1/feedback",
@@ -222,7 +254,7 @@ BODY_MUTATORS: dict[str, BodyMutator] = {
     "nul bytes": lambda b: b"\x00" + _json(b),
     "form encoded": lambda _: b"model=scripted-1&messages=hi",
     "oversized body": lambda b: _json({**b, "pad": "x" * (MAX_BODY + 10)}),
-    "huge number": lambda b: _json(b)[:-1] + b', "n": 1' + b"0" * 400 + b"}",
+    "huge number": lambda b: _json(b)[:-1] + b', "{number_field}": 1' + b"0" * 400 + b"}",
 }
 
 PATH_MUTATIONS = ["99999999999999999999999", "-5", "0", "%00", "%ff%fe", "x" * 5000, "a%2Fb", "%20"]
@@ -251,7 +283,7 @@ def build_cases() -> list[Case]:
         headers = {**_auth(route), **json_headers}
         if route.body is not None:
             for name, mutate in BODY_MUTATORS.items():
-                content = mutate(route.body)
+                content = mutate(route.body).replace(b"{number_field}", route.number_field.encode())
                 if name == "form encoded":
                     headers = {**headers, "content-type": "application/x-www-form-urlencoded"}
                 cases.append(Case(f"{rid}: {name}", route, _url(route), content, headers, True))
@@ -326,7 +358,7 @@ def test_the_table_covers_every_route_and_is_large() -> None:
     settings = Settings.load(engine="upstream", upstream_url="http://127.0.0.1:9/v1", scheduler=False)
     app = create_app(build_services(settings))
     for route in app.routes:
-        path = route.path.replace(":str}", "}").replace(":int}", "}")
+        path = route.path.replace(":str}", "}").replace(":int}", "}").replace(":path}", "}")
         for method in route.methods - {"OPTIONS", "HEAD"}:
             assert (method, path) in served, f"{method} {path} is not fuzzed"
 

@@ -13,6 +13,13 @@ behaviour in the request itself and needs no mocks:
 - ``#hang``: never answers.
 
 A tool result after the last user message stands in for it, so a tool loop ends with ``"echo: <result>"``.
+Clients' own loops are answered as a model would: a named (or ``required``) ``tool_choice`` gets a call of
+that tool with arguments made from its JSON schema (so does ``#tool`` when the request's tools have no
+``get_weather``), a request whose last message is a tool result gets a text answer, and a ``response_format``
+gets JSON content (an instance of its schema, or ``{"echo": ...}`` for ``json_object``).
+
+``/v1/completions`` answers ``echo: <prompt>`` the same way (per-choice ``token_ids``, ``prompt_token_ids``
+and ``token_logprobs`` as vLLM lays them out) and ``/v1/embeddings`` deterministic 8-dimensional vectors.
 
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
@@ -138,23 +145,42 @@ def _tokenise(words: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     return pieces, tuple(token_id(word) for word in words)
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the request itself asks for beyond the directives: a forced or scripted call of one of its tools
+    (name, JSON arguments), a JSON content (`response_format`), or a text answer to a tool result."""
+
+    tool: tuple[str, str] | None = None
+    json_content: str | None = None
+    after_tool: bool = False
+
+
 @functools.lru_cache(maxsize=4096)
-def generate(last_user_text: str, choices: int, max_tokens: int | None) -> tuple[Generation, ...]:
+def generate(
+    last_user_text: str, choices: int, max_tokens: int | None, plan: Plan = Plan()
+) -> tuple[Generation, ...]:
     """Deterministic outputs for a request; cached so the hot path only builds JSON."""
     script = parse_script(last_user_text)
     outputs = []
     for index in range(choices):
-        if script.tool_calls:
-            calls = tuple(("get_weather", _TOOL_ARGUMENTS[k]) for k in range(script.tool_calls))
+        if not plan.after_tool and (plan.tool is not None or script.tool_calls):
+            if plan.tool is not None:
+                calls: tuple[tuple[str, str], ...] = (plan.tool,)
+            else:
+                calls = tuple(("get_weather", _TOOL_ARGUMENTS[k]) for k in range(script.tool_calls))
             raw = " ".join(
                 f'<tool_call> {{"name": "{name}", "arguments": {args}}} </tool_call>' for name, args in calls
             )
             pieces, ids = _tokenise(raw.split())
             outputs.append(Generation(pieces, ids, None, calls, "tool_calls"))
             continue
+        if plan.json_content is not None and script.json_text is None:  # a `#json` directive wins
+            pieces, ids = _tokenise(plan.json_content.split(" "))
+            outputs.append(Generation(pieces, ids, plan.json_content, (), "stop"))
+            continue
         if script.json_text is not None:
             words = script.json_text.split()
-        elif script.long_words is not None:
+        elif script.long_words is not None and not plan.after_tool:
             words = [f"w{i}" for i in range(script.long_words)]
         else:
             words = ["echo:", *last_user_text.split()]
@@ -166,6 +192,68 @@ def generate(last_user_text: str, choices: int, max_tokens: int | None) -> tuple
         pieces, ids = _tokenise(words)
         outputs.append(Generation(pieces, ids, "".join(pieces), (), finish))
     return tuple(outputs)
+
+
+def example_of(schema: Any, defs: dict[str, Any] | None = None) -> Any:
+    """A small value valid under a JSON schema (the subset tools and response formats use)."""
+    if not isinstance(schema, dict):
+        return "x"
+    defs = {**(defs or {}), **schema.get("$defs", {}), **schema.get("definitions", {})}
+    if "$ref" in schema:
+        return example_of(defs.get(str(schema["$ref"]).rsplit("/", 1)[-1]), defs)
+    if "const" in schema:
+        return schema["const"]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = [o for o in schema.get(key, []) if not (isinstance(o, dict) and o.get("type") == "null")]
+        if options:
+            return example_of(options[0], defs)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or "properties" in schema:
+        return {name: example_of(sub, defs) for name, sub in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [example_of(schema.get("items"), defs)]
+    return {"integer": 2, "number": 1.5, "boolean": True, "null": None}.get(str(kind), "Paris")
+
+
+def _function_tools(body: dict[str, Any]) -> dict[str, Any]:
+    tools = body.get("tools")
+    return (
+        {
+            t["function"]["name"]: t["function"].get("parameters")
+            for t in tools
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+        }
+        if isinstance(tools, list)
+        else {}
+    )
+
+
+def plan_of(body: dict[str, Any], script: Script) -> Plan:
+    """The reply a request's tools, tool choice and response format call for."""
+    messages = body.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if last.get("role") == "tool":
+        return Plan(after_tool=True)
+    tools = _function_tools(body)
+    choice = body.get("tool_choice")
+    name = None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+    elif tools and (choice == "required" or (script.tool_calls and "get_weather" not in tools)):
+        name = next(iter(tools))
+    if name in tools and choice != "none":
+        return Plan(tool=(name, _encode(example_of(tools[name])).decode()))
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        return Plan(json_content=_encode(example_of(schema)).decode())
+    if isinstance(response_format, dict) and response_format.get("type") == "json_object":
+        return Plan(json_content=_encode({"echo": _message_text(last)}).decode())
+    return Plan()
 
 
 @dataclass(slots=True)
@@ -196,6 +284,7 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     return_token_ids: bool
+    plan: Plan = Plan()
 
 
 def _message_text(message: Any) -> str:
@@ -243,6 +332,7 @@ def parse_request(body: Any) -> ChatRequest:
         logprobs=body.get("logprobs") is True,
         top_logprobs=_int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0,
         return_token_ids=body.get("return_token_ids") is True,
+        plan=plan_of(body, parse_script(_message_text(last_user) if last_user is not None else "")),
     )
 
 
@@ -275,7 +365,7 @@ class _Responder:
         self.quirks = quirks
         self.id = f"chatcmpl-scripted-{seq}"
         self.created = int(time.time())
-        self.outputs = generate(req.last_user_text, req.n, req.max_tokens)
+        self.outputs = generate(req.last_user_text, req.n, req.max_tokens, req.plan)
         self.prompt_ids = text_token_ids(req.prompt_text)
 
     def tool_call_id(self, choice: int, k: int) -> str:
@@ -507,6 +597,113 @@ class _Handlers:
             record.outcome = "completed"
         return response
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """Legacy text completions: the reply is ``echo: <prompt>`` under the same word tokenizer, with token
+        ids and ``token_logprobs`` laid out as vLLM does (per choice ``token_ids`` and ``prompt_token_ids``)."""
+        body = await self._recorded_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            return self.error(400, "'prompt' must be a string")
+        prompt = body["prompt"]
+        script = parse_script(prompt)
+        if script.error_status is not None:
+            return self.error(script.error_status, f"scripted error {script.error_status}")
+        max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else None
+        [gen] = generate(prompt, 1, max_tokens)
+        seq = next(self.seq)
+        ids = body.get("return_token_ids") is True
+        logprobs = body.get("logprobs") if isinstance(body.get("logprobs"), int) else None
+
+        def choice(start: int, stop: int, finish: str | None) -> dict[str, Any]:
+            item: dict[str, Any] = {
+                "index": 0,
+                "text": "".join(gen.pieces[start:stop]),
+                "finish_reason": finish,
+            }
+            item["logprobs"] = (
+                {
+                    "tokens": list(gen.pieces[start:stop]),
+                    "token_logprobs": [token_logprob(i) for i in range(start, stop)],
+                    "text_offset": [0] * (stop - start),
+                    "top_logprobs": [{gen.pieces[i]: token_logprob(i)} for i in range(start, stop)],
+                }
+                if logprobs is not None
+                else None
+            )
+            if ids:
+                item["token_ids"] = list(gen.token_ids[start:stop])
+                item["prompt_token_ids"] = text_token_ids(prompt) if start == 0 else None
+            return item
+
+        prompt_tokens = len(text_token_ids(prompt))
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(gen.pieces),
+            "total_tokens": prompt_tokens + len(gen.pieces),
+        }
+        head = {
+            "id": f"cmpl-scripted-{seq}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+        }
+        if body.get("stream") is not True:
+            return web.Response(
+                body=_encode(
+                    {**head, "choices": [choice(0, len(gen.pieces), gen.finish_reason)], "usage": usage}
+                ),
+                headers=_JSON_HEADERS,
+            )
+        chunks = [
+            b"data: "
+            + _encode(
+                {
+                    **head,
+                    "choices": [choice(i, i + 1, gen.finish_reason if i == len(gen.pieces) - 1 else None)],
+                }
+            )
+            + b"\n\n"
+            for i in range(len(gen.pieces))
+        ]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            chunks.append(b"data: " + _encode({**head, "choices": [], "usage": usage}) + b"\n\n")
+        return await self._stream(request, [], [*chunks, _DONE], script.slow_ms)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """Deterministic 8-dimensional vectors: one per input text, from the words' ids."""
+        body = await self._recorded_body(request)
+        texts = body.get("input") if isinstance(body, dict) else None
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            return self.error(400, "'input' must be a string or a list of strings")
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": [((token_id(text) >> k) % 97) / 97 for k in range(8)],
+            }
+            for i, text in enumerate(texts)
+        ]
+        tokens = sum(len(text.split()) for text in texts)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return web.Response(
+            body=_encode({"object": "list", "model": body.get("model"), "data": data, "usage": usage}),
+            headers=_JSON_HEADERS,
+        )
+
+    async def _recorded_body(self, request: web.Request) -> Any:
+        try:
+            body = _decode(await request.read())
+        except msgspec.DecodeError:
+            body = None
+        if self.log is not None:
+            self.log.append(
+                RecordedRequest(
+                    request.path, CIMultiDictProxy(CIMultiDict(request.headers)), body, "completed"
+                )
+            )
+        return body
+
     async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         try:
             req = parse_request(body)
@@ -550,6 +747,8 @@ def build_app(*, vllm_quirks: bool = True, log: list[RecordedRequest] | None = N
     handlers = _Handlers(vllm_quirks, log)
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/embeddings", handlers.embeddings)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     return app

@@ -1,0 +1,383 @@
+"""The client matrix: the SDKs apps call the gateway with, one case per thing an app does with each.
+
+A case runs a client against a `Target` (the gateway in front of the scripted upstream, or of vLLM with the
+embedded model) and returns how many model calls it made; the test then checks what was captured. Cases that
+need the model to choose a tool on its own run on the scripted upstream only: the embedded 135M model does not
+pick tools under `auto`, so on vLLM the same loops force the first call (`vllm_variant`).
+
+Adding a client or a case is one entry in `CASES` (Responses-API cases go here too, with `api="responses"`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+from pydantic import BaseModel
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": WEATHER_SCHEMA,
+    },
+}
+QUESTION = "What is the weather in Paris?"
+# Budgets that keep the CPU engine quick; the scripted upstream ignores them.
+MAX_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a case sends its calls."""
+
+    engine: str  # "scripted" or "vllm"
+    base_url: str  # ends in /v1
+    model: str
+
+    @property
+    def forced(self) -> bool:
+        """The engine's model does not call tools on its own: loops force their first call."""
+        return self.engine == "vllm"
+
+    def ask(self, text: str, directive: str = "") -> str:
+        """A user message; the scripted upstream reads its directives from it (`#tool`)."""
+        return f"{text} {directive}" if self.engine == "scripted" and directive else text
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="sk-matrix", max_retries=0, timeout=300)
+
+    def async_openai(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="sk-matrix", max_retries=0, timeout=300)
+
+
+@dataclass(frozen=True)
+class Case:
+    client: str
+    name: str
+    run: Callable[[Target], int]  # the number of model calls made (0: none should be captured)
+    vllm: bool = True  # also run against vLLM with the embedded model
+    api: str = "chat"  # the OpenAI API the client speaks to the gateway
+
+    @property
+    def id(self) -> str:
+        return f"{self.client}: {self.name}"
+
+
+class Weather(BaseModel):
+    city: str
+    sunny: bool
+
+
+def _check_weather_call(name: str, arguments: Any) -> None:
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, WEATHER_SCHEMA)
+
+
+# ----------------------------------------------------------------------------- openai-python
+def openai_sync(target: Target) -> int:
+    reply = target.openai().chat.completions.create(
+        model=target.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS
+    )
+    assert reply.choices[0].message.content
+    return 1
+
+
+def openai_async(target: Target) -> int:
+    """A two-turn conversation with the async client: the reply is appended, then the next question."""
+
+    async def converse() -> None:
+        client = target.async_openai()
+        messages: list[Any] = [{"role": "user", "content": QUESTION}]
+        first = await client.chat.completions.create(
+            model=target.model, messages=messages, max_tokens=MAX_TOKENS
+        )
+        messages += [
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "And tomorrow?"},
+        ]
+        second = await client.chat.completions.create(
+            model=target.model, messages=messages, max_tokens=MAX_TOKENS
+        )
+        assert second.choices[0].message.content is not None
+        await client.close()
+
+    asyncio.run(converse())
+    return 2
+
+
+def openai_stream(target: Target) -> int:
+    text, usage = "", None
+    for chunk in target.openai().chat.completions.create(
+        model=target.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert text and usage is not None and usage.completion_tokens > 0
+    return 1
+
+
+def openai_tools(target: Target) -> int:
+    """A forced tool call, then the tool's result sent back: one conversation."""
+    client = target.openai()
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model=target.model,
+        messages=messages,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=MAX_TOKENS,
+    )
+    message = first.choices[0].message
+    [call] = message.tool_calls or []
+    _check_weather_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+    messages += [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'},
+    ]
+    second = client.chat.completions.create(model=target.model, messages=messages, max_tokens=MAX_TOKENS)
+    assert second.choices[0].message.content
+    return 2
+
+
+def openai_parse(target: Target) -> int:
+    reply = target.openai().chat.completions.parse(
+        model=target.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        response_format=Weather,
+        max_tokens=MAX_TOKENS,
+    )
+    assert isinstance(reply.choices[0].message.parsed, Weather)
+    return 1
+
+
+# ----------------------------------------------------------------------------- openai-node and the AI SDK
+def node(case: str, target: Target, **env: str) -> Any:
+    """Run one case of tests/clients/node/cases.mjs; its JSON result."""
+    done = subprocess.run(
+        ["node", str(NODE_DIR / "cases.mjs"), case, target.base_url, target.model],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=NODE_DIR,
+        env={**os.environ, **env},
+        check=False,
+    )
+    assert done.returncode == 0, f"{case} failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def node_stream(target: Target) -> int:
+    result = node("openai-node stream", target)
+    assert result["text"] and result["finish"] in {"stop", "length"} and result["completionTokens"] > 0
+    return 1
+
+
+def node_tools(target: Target) -> int:
+    result = node("openai-node tools", target)
+    [call] = result["calls"]
+    _check_weather_call(call["name"], call["arguments"])
+    assert result["text"]
+    return 2
+
+
+def node_errors(target: Target) -> int:
+    result = node("openai-node errors", target)
+    assert result["unknown model"] == {
+        "cls": "NotFoundError",
+        "status": 404,
+        "type": "not_found_error",
+        "code": "model_not_found",
+        "param": "model",
+    }
+    assert result["bad request"]["cls"] == "BadRequestError" and result["bad request"]["status"] == 400
+    assert (
+        result["bad request"]["type"] == "invalid_request_error"
+        and result["bad request"]["param"] == "messages"
+    )
+    return 0
+
+
+def ai_sdk_tool_loop(target: Target) -> int:
+    result = node(
+        "ai-sdk tool loop",
+        target,
+        MATRIX_PROMPT=target.ask(QUESTION, "#tool"),
+        MATRIX_FORCED="1" if target.forced else "0",
+    )
+    assert result["steps"] == 2
+    [call] = result["calls"]
+    _check_weather_call(call["name"], call["arguments"])
+    assert result["text"]
+    return 2
+
+
+def ai_sdk_generate_object(target: Target) -> int:
+    result = node("ai-sdk generateObject", target)
+    jsonschema.validate(
+        result["object"],
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+            "required": ["city", "sunny"],
+        },
+    )
+    return 1
+
+
+# ----------------------------------------------------------------------------- LangChain
+def _chat_model(target: Target) -> Any:
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        model=target.model,
+        base_url=target.base_url,
+        api_key="sk-matrix",
+        max_retries=0,
+        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+    )
+
+
+def _get_weather_tool() -> Any:
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    return get_weather
+
+
+def langchain_invoke(target: Target) -> int:
+    assert _chat_model(target).invoke(QUESTION).content
+    return 1
+
+
+def langchain_stream(target: Target) -> int:
+    text = "".join(str(chunk.content) for chunk in _chat_model(target).stream(QUESTION))
+    assert text
+    return 1
+
+
+def langchain_tool_loop(target: Target) -> int:
+    """`bind_tools`: the model calls the tool, the app runs it and sends the result back."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    weather = _get_weather_tool()
+    model = _chat_model(target)
+    first_model = model.bind_tools([weather], tool_choice="get_weather" if target.forced else None)
+    messages: list[Any] = [HumanMessage(target.ask(QUESTION, "#tool"))]
+    reply = first_model.invoke(messages)
+    [call] = reply.tool_calls
+    _check_weather_call(call["name"], call["args"])
+    messages += [reply, ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])]
+    final = model.bind_tools([weather], tool_choice="none" if target.forced else None).invoke(messages)
+    assert final.content and not final.tool_calls
+    return 2
+
+
+def _structured(method: str) -> Callable[[Target], int]:
+    def run(target: Target) -> int:
+        schema: Any = Weather if method != "json_mode" else {"title": "weather", "type": "object"}
+        result = _chat_model(target).with_structured_output(schema, method=method).invoke(QUESTION)  # type: ignore[arg-type]
+        assert isinstance(result, Weather if method != "json_mode" else dict), result
+        return 1
+
+    run.__name__ = f"langchain_structured_{method}"
+    return run
+
+
+# ----------------------------------------------------------------------------- litellm and the Agents SDK
+def litellm_completion(target: Target) -> int:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    reply = litellm.completion(
+        model=f"openai/{target.model}",
+        api_base=target.base_url,
+        api_key="sk-matrix",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=MAX_TOKENS,
+    )
+    assert reply.choices[0].message.content  # type: ignore[union-attr]
+    return 1
+
+
+def agents_one_tool(target: Target) -> int:
+    """An agent with one tool on `OpenAIChatCompletionsModel`: the tool call and the answer after it are one
+    run. On vLLM the call is forced and the run ends on the tool's output (the model would not pick it)."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        return f"sunny in {city}"
+
+    agent = Agent(
+        name="weather",
+        instructions="Answer weather questions with the get_weather tool.",
+        model=OpenAIChatCompletionsModel(model=target.model, openai_client=target.async_openai()),
+        tools=[get_weather],
+        model_settings=ModelSettings(
+            max_tokens=MAX_TOKENS, tool_choice="required" if target.forced else None
+        ),
+        tool_use_behavior="stop_on_first_tool" if target.forced else "run_llm_again",
+    )
+    result = Runner.run_sync(agent, target.ask(QUESTION, "#tool"), max_turns=4)
+    assert result.final_output
+    calls = [item for item in result.new_items if item.type == "tool_call_item"]
+    assert len(calls) == 1
+    return 1 if target.forced else 2
+
+
+CASES: list[Case] = [
+    Case("openai-python", "sync", openai_sync),
+    Case("openai-python", "async two-turn", openai_async),
+    Case("openai-python", "stream", openai_stream),
+    Case("openai-python", "forced tool loop", openai_tools),
+    Case("openai-python", "parse", openai_parse),
+    Case("openai-node", "stream", node_stream),
+    Case("openai-node", "forced tool loop", node_tools),
+    Case("openai-node", "errors", node_errors, vllm=False),
+    Case("langchain", "invoke", langchain_invoke),
+    Case("langchain", "stream", langchain_stream),
+    Case("langchain", "bind_tools loop", langchain_tool_loop),
+    Case("langchain", "structured function_calling", _structured("function_calling")),
+    Case("langchain", "structured json_schema", _structured("json_schema")),
+    # JSON mode constrains to *some* JSON object; the 135M model does not reliably close one within a budget.
+    Case("langchain", "structured json_mode", _structured("json_mode"), vllm=False),
+    Case("litellm", "completion", litellm_completion),
+    Case("ai-sdk", "chat tool loop", ai_sdk_tool_loop),
+    Case("ai-sdk", "chat generateObject", ai_sdk_generate_object),
+    Case("openai-agents", "chat-completions one-tool agent", agents_one_tool),
+]

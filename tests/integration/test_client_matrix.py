@@ -1,0 +1,103 @@
+"""The client matrix (tests/clients/matrix.py): every client case against the scripted upstream on SQLite and
+PostgreSQL, and the main ones against vLLM with the embedded model. Besides what the client sees, each case
+checks what was captured: its calls, all in one episode, at positions 0, 1, ... in the order they were made."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.clients.matrix import CASES, NODE_DIR, Case, Target
+from tests.conftest import VLLMServer, query
+from tests.support.gateway_server import GatewayServer
+from tests.support.scripted_upstream import ScriptedUpstream
+
+
+@pytest.fixture(scope="session")
+def node_clients() -> Path:
+    """The Node clients, installed from their lock file (`npm ci`) unless that install is already there."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("Node.js and npm are needed for the client matrix (Debian's nodejs and npm packages)")
+    installed = NODE_DIR / "node_modules" / ".package-lock.json"
+    lock = NODE_DIR / "package-lock.json"
+    if not installed.is_file() or installed.stat().st_mtime < lock.stat().st_mtime:
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--prefer-offline"],
+            cwd=NODE_DIR,
+            check=True,
+            timeout=600,
+        )
+    return NODE_DIR
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def scripted(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, upstream: ScriptedUpstream
+) -> Iterator[tuple[Target, GatewayServer]]:
+    """One gateway per database for the whole module, in front of the scripted upstream."""
+    from gateway.settings import Settings
+
+    data = tmp_path_factory.mktemp(f"matrix-{request.param}")
+    if request.param == "sqlite":
+        url = f"sqlite:///{data / 'kaizen.db'}"
+    else:
+        url = request.getfixturevalue("postgres").create_database(
+            f"matrix_{data.name[-6:].replace('-', '_')}"
+        )
+    settings = Settings.load(
+        data_dir=data,
+        database_url=url,
+        engine="upstream",
+        upstream_url=upstream.url,
+        upstream_token_ids=True,
+        port=0,
+        capture_flush_ms=5.0,
+        scheduler=False,
+    )
+    server = GatewayServer(settings).start()
+    yield Target("scripted", server.url + "/v1", "scripted-1"), server
+    server.stop()
+
+
+def _rows(gateway: GatewayServer) -> list[dict[str, Any]]:
+    gateway.flush()
+    return query(
+        gateway.settings.database_url,
+        "SELECT id, episode_id, position, status, created_at FROM calls ORDER BY created_at, position",
+    )
+
+
+def run_and_check_capture(case: Case, target: Target, gateway: GatewayServer) -> None:
+    before = {row["id"] for row in _rows(gateway)}
+    made = case.run(target)
+    new = [row for row in _rows(gateway) if row["id"] not in before]
+    assert len(new) == made, json.dumps(new, default=str)
+    if made == 0:
+        return
+    assert {row["status"] for row in new} == {"ok"}
+    assert len({row["episode_id"] for row in new}) == 1, "the conversation split into several episodes"
+    assert [row["position"] for row in new] == list(range(made))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_client_on_the_scripted_upstream(
+    case: Case, scripted: tuple[Target, GatewayServer], node_clients: Path
+) -> None:
+    target, gateway = scripted
+    run_and_check_capture(case, target, gateway)
+
+
+VLLM_CASES = [c for c in CASES if c.vllm]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", VLLM_CASES, ids=[c.id for c in VLLM_CASES])
+def test_client_on_vllm(case: Case, vllm_server: VLLMServer, node_clients: Path) -> None:
+    target = Target("vllm", vllm_server.gateway.url + "/v1", vllm_server.model)
+    run_and_check_capture(case, target, vllm_server.gateway)
