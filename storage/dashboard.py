@@ -168,48 +168,35 @@ async def version_events(
 
 
 @dataclass(frozen=True)
-class Totals:
-    calls: int
-    errors: int
-    prompt_tokens: int
-    completion_tokens: int
+class EpisodeTotals:
     episodes: int
     rewarded: int
-    feedback: int
+    feedback: int  # feedback rows
 
 
-async def window_totals(session: AsyncSession, since: datetime, until: datetime) -> Totals:
-    """Counts over [since, until): calls, errors, tokens, episodes, rewarded episodes, feedback rows."""
-    calls = (
-        await session.execute(
-            select(
-                func.count(),
-                func.coalesce(func.sum(case((Call.status != "ok", 1), else_=0)), 0),
-                func.coalesce(func.sum(Call.prompt_tokens), 0),
-                func.coalesce(func.sum(Call.completion_tokens), 0),
-            ).where(Call.created_at >= since, Call.created_at < until)
-        )
-    ).one()
-    episodes = (
-        await session.execute(
-            select(func.count(), func.count(Episode.reward)).where(
-                Episode.created_at >= since, Episode.created_at < until
-            )
-        )
-    ).one()
-    feedback = await session.scalar(
+async def episode_totals(
+    session: AsyncSession, since: datetime, until: datetime, policy: str | None = None
+) -> EpisodeTotals:
+    """Episodes started in [since, until), how many of them are rewarded, and feedback rows given in it.
+
+    Counted so that each count can come from an index alone: all episodes, and the unrewarded ones
+    (`reward IS NULL`, the review queue's index), rather than reading every episode's reward."""
+    window = [Episode.created_at >= since, Episode.created_at < until]
+    if policy is not None:
+        window.append(Episode.policy == policy)
+    total = await session.scalar(select(func.count()).select_from(Episode).where(*window))
+    unrewarded = await session.scalar(
+        select(func.count()).select_from(Episode).where(*window, Episode.reward.is_(None))
+    )
+    feedback = (
         select(func.count())
         .select_from(Reward)
         .where(Reward.source == "feedback", Reward.created_at >= since, Reward.created_at < until)
     )
-    return Totals(
-        int(calls[0]),
-        int(calls[1]),
-        int(calls[2]),
-        int(calls[3]),
-        int(episodes[0]),
-        int(episodes[1]),
-        int(feedback or 0),
+    if policy is not None:
+        feedback = feedback.join(Episode, Episode.id == Reward.episode_id).where(Episode.policy == policy)
+    return EpisodeTotals(
+        int(total or 0), int(total or 0) - int(unrewarded or 0), int(await session.scalar(feedback) or 0)
     )
 
 

@@ -33,6 +33,7 @@ from storage.dashboard import (
     episode_created_at,
     episode_detail,
     episode_rewards,
+    episode_totals,
     judge_series,
     list_episodes,
     list_judge_groups,
@@ -41,7 +42,6 @@ from storage.dashboard import (
     reward_series,
     traffic_series,
     version_events,
-    window_totals,
 )
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
@@ -186,7 +186,7 @@ class DashboardPages(Controller):
         chosen = _blank(policy)
         axis = time_axis(since, until)
         traffic = await traffic_series(session, since, until, step, chosen)
-        totals = await window_totals(session, since, until)
+        totals = await episode_totals(session, since, until, chosen)
         x = [b.start.timestamp() for b in traffic]
         charts = [
             Chart(
@@ -274,6 +274,10 @@ class DashboardPages(Controller):
                 policy=chosen,
                 policies=policies,
                 totals=totals,
+                calls=sum(b.calls for b in traffic),
+                errors=sum(b.errors for b in traffic),
+                prompt_tokens=sum(b.prompt_tokens for b in traffic),
+                completion_tokens=sum(b.completion_tokens for b in traffic),
                 charts=[render(c) for c in charts],
                 reward_charts=reward_charts,
                 events=events,
