@@ -16,7 +16,7 @@ from markupsafe import Markup, escape
 
 WIDTH = 760
 HEIGHT = 240
-LEFT, RIGHT, TOP, BOTTOM = 56, 16, 14, 40
+LEFT, RIGHT, TOP, BOTTOM = 56, 16, 24, 40
 SERIES_CLASSES = 8  # the stylesheet colours series-0 .. series-7
 
 
@@ -125,7 +125,7 @@ def render(chart: Chart, *, caption: bool = True) -> Markup:
         f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + inner_h}" y2="{TOP + inner_h}"/>'
     )
     if chart.y_label:
-        parts.append(f'<text class="axis-label" x="4" y="{TOP + 8}">{escape(chart.y_label)}</text>')
+        parts.append(f'<text class="axis-label" x="4" y="10">{escape(chart.y_label)}</text>')
     for marker in chart.markers:
         x = px(marker.x)
         parts.append(

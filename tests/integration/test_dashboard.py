@@ -114,7 +114,7 @@ def test_pages_show_traffic_episodes_runs_and_judge_groups(
 ) -> None:
     seed_policy_runs(database_url, "bot", versions=3)
     gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
-    first = _chat(gw, "what is the capital of France?")
+    first = _chat(gw, "<script>alert(1)</script> what is the capital of France?")
     failed = httpx.post(
         gw.url + "/v1/chat/completions",
         json={"model": "scripted-1", "messages": [{"role": "user", "content": "#error 500"}]},
@@ -131,6 +131,8 @@ def test_pages_show_traffic_episodes_runs_and_judge_groups(
     assert "Live reward of bot by serving version" in overview.text
     episodes = browser.get("/dashboard/episodes")
     assert episodes.status_code == 200 and first in episodes.text and "capital of France" in episodes.text
+    for page in (episodes.text, browser.get(f"/dashboard/episodes/{first}").text):
+        assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # escaped
     trajectory = browser.get(f"/dashboard/episodes/{tool}")
     assert trajectory.status_code == 200
     assert "get_weather" in trajectory.text and "tool call" in trajectory.text
