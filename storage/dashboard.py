@@ -277,9 +277,11 @@ def _episode_conditions(filt: EpisodeFilter) -> list[Any]:
 
 
 def _after(cursor: EpisodeCursor) -> Any:
-    return or_(
-        Episode.created_at < cursor.created_at,
-        and_(Episode.created_at == cursor.created_at, Episode.id < cursor.id),
+    """Rows after the cursor in (created_at, id) descending order, written so that both databases read an
+    index range on `created_at` (an OR of the two cases alone makes SQLite scan)."""
+    return and_(
+        Episode.created_at <= cursor.created_at,
+        or_(Episode.created_at < cursor.created_at, Episode.id < cursor.id),
     )
 
 
@@ -529,15 +531,13 @@ class RewardDetail:
 
 async def episode_rewards(session: AsyncSession, episode_id: str) -> list[RewardDetail]:
     """Every reward of an episode and of its calls (pending ones included), oldest first."""
-    call_ids = select(Call.id).where(Call.episode_id == episode_id)
-    rows = (
-        await session.execute(
-            select(Reward)
-            .where(or_(Reward.episode_id == episode_id, Reward.call_id.in_(call_ids)))
-            .order_by(Reward.created_at, Reward.id)
-            .limit(1000)
-        )
-    ).scalars()
+    # Two indexed lookups rather than one OR, which the query planners answer with a scan of `rewards`.
+    call_ids = list(await session.scalars(select(Call.id).where(Call.episode_id == episode_id)))
+    found: dict[int, Reward] = {}
+    for condition in (Reward.episode_id == episode_id, Reward.call_id.in_(call_ids)):
+        for row in (await session.execute(select(Reward).where(condition).limit(1000))).scalars():
+            found[row.id] = row
+    rows = sorted(found.values(), key=lambda r: (utc(r.created_at), r.id))
     return [
         RewardDetail(
             r.id,
