@@ -251,10 +251,12 @@ def _episode_conditions(filt: EpisodeFilter) -> list[Any]:
         conditions.append(Episode.created_at >= filt.since)
     if filt.until is not None:
         conditions.append(Episode.created_at < filt.until)
+    # `reward + 0`: a range on the reward index would make SQLite sort every match to find the newest 50;
+    # walking the time index newest first and testing the reward finds them at once.
     if filt.min_reward is not None:
-        conditions.append(Episode.reward >= filt.min_reward)
+        conditions.append(Episode.reward + 0 >= filt.min_reward)
     if filt.max_reward is not None:
-        conditions.append(Episode.reward <= filt.max_reward)
+        conditions.append(Episode.reward + 0 <= filt.max_reward)
     if filt.rewarded is not None:
         conditions.append(Episode.reward.is_not(None) if filt.rewarded else Episode.reward.is_(None))
     if filt.version is not None:
