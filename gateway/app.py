@@ -13,6 +13,7 @@ from litestar import Litestar, Request, Response, Router
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from litestar.template.config import TemplateConfig
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -364,6 +365,16 @@ def create_app(services: Services) -> Litestar:
         ],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
+    state: dict[str, Any] = {"key_ring": services.keys}
+    dashboard: list[Router] = []
+    templates: TemplateConfig[Any] | None = None
+    if settings.dashboard:
+        # Imported only when served: the templates engine is not needed otherwise.
+        from gateway.dashboard import dashboard_routers, signer_from_settings, template_config
+
+        dashboard = dashboard_routers()
+        templates = template_config()
+        state["dashboard_signer"] = signer_from_settings(settings)
     return Litestar(
         route_handlers=[
             v1,
@@ -375,6 +386,7 @@ def create_app(services: Services) -> Litestar:
             PoliciesController,
             RunsController,
             *([MetricsController] if services.metrics is not None else []),
+            *dashboard,
         ],
         dependencies={
             "chat": Provide(lambda: services.chat, sync_to_thread=False, use_cache=True),
@@ -391,7 +403,8 @@ def create_app(services: Services) -> Litestar:
             "keys": Provide(lambda: services.keys, sync_to_thread=False, use_cache=True),
             "metrics": Provide(lambda: services.metrics, sync_to_thread=False, use_cache=True),
         },
-        state=State({"key_ring": services.keys}),
+        state=State(state),
+        template_config=templates,
         exception_handlers={
             APIError: _api_error,
             IntegrityError: integrity_conflict,

@@ -111,6 +111,10 @@ class KeyRing:
             return None
         return self._keys.get(digest(authorization[7:].strip()))
 
+    def by_digest(self, key_digest: str) -> Principal | None:
+        """The principal of the key whose secret has this SHA-256 (a dashboard session names its key so)."""
+        return self._keys.get(key_digest)
+
     def load(self, keys: Sequence[KeyInfo]) -> None:
         """Replace the managed keys with these (revoked ones are refused); environment keys stay."""
         fresh = {k.hash: _managed(k) for k in keys if k.revoked_at is None}
@@ -178,10 +182,15 @@ def requires(scope: Scope) -> Guard:
             principal = _with_scope(found, scope)
         else:
             principal = authenticate_client(ring, authorization, scope)
-        connection.scope.setdefault("state", {})[_STATE_KEY] = principal
+        set_principal(connection, principal)
 
     guard.__name__ = f"requires_{scope}"
     return guard
+
+
+def set_principal(connection: ASGIConnection[Any, Any, Any, Any], principal: Principal) -> None:
+    """Record who sent the request, for `principal_of` (guards call it once they authenticated it)."""
+    connection.scope.setdefault("state", {})[_STATE_KEY] = principal
 
 
 def principal_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:

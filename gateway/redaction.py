@@ -19,15 +19,14 @@ import hmac
 import importlib
 import ipaddress
 import logging
-import os
 import re
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from gateway.keyfile import generated_key
 from storage.records import CallRecord
 from trainer.policy_config import PrivacyConfig
 
@@ -179,21 +178,7 @@ def load_redaction_key(configured: str, data_dir: Path) -> bytes:
     to the same token everywhere; a configured key also survives a new data directory."""
     if configured:
         return configured.encode()
-    path = data_dir / "redaction.key"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        draft = path.with_name(f".redaction.key.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_hex(32))
-        try:
-            os.link(draft, path)  # atomic, and fails if another replica got there first: then its key is used
-            log.info("generated a redaction key in %s", path)
-        except FileExistsError:
-            pass
-        finally:
-            draft.unlink()
-    return path.read_text().strip().encode()
+    return generated_key(data_dir / "redaction.key")
 
 
 def _load_hook(path: str) -> Callable[[str], str]:

@@ -354,6 +354,26 @@ class Settings(BaseSettings):
         "stored: after the policy's redaction. Off: ids, models, parameters and token counts only.",
     )
 
+    # --- dashboard
+    dashboard: bool = Field(
+        True,
+        description="Serve the web dashboard at /dashboard (log in with the admin key or a managed key with the "
+        "`admin` scope); false: no dashboard routes at all.",
+    )
+    dashboard_secret: str = Field(
+        "",
+        description="HMAC key that signs dashboard session cookies; changing it ends every session. Empty: one "
+        "is generated once into `<data_dir>/dashboard.key`.",
+    )
+    dashboard_session_ttl_s: float = Field(
+        43200.0, gt=0, description="How long a dashboard login lasts before it must be repeated."
+    )
+    dashboard_secure_cookie: bool = Field(
+        False,
+        description="Mark the dashboard session cookie `Secure` (sent over HTTPS only): set it when TLS is "
+        "terminated in front of the gateway.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Table
+from sqlalchemy import BigInteger, ColumnElement, Table, cast, func
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import InstrumentedAttribute
 
 
 def insert(session: AsyncSession, target: type[Any] | Table) -> Any:
@@ -18,3 +19,17 @@ def insert(session: AsyncSession, target: type[Any] | Table) -> Any:
     if session.get_bind().dialect.name == "postgresql":
         return postgresql.insert(target)
     return sqlite.insert(target)
+
+
+def epoch_bucket(
+    session: AsyncSession, column: ColumnElement[Any] | InstrumentedAttribute[Any], step_s: int
+) -> ColumnElement[Any]:
+    """The start of the `step_s`-second bucket a timestamp column falls in, as Unix seconds (UTC).
+
+    SQLite stores timestamps as ISO text in UTC (`strftime('%s')` reads it); PostgreSQL as `timestamptz`.
+    """
+    if session.get_bind().dialect.name == "postgresql":
+        seconds: ColumnElement[Any] = func.floor(func.extract("epoch", column) / step_s)
+        return cast(seconds, BigInteger) * step_s
+    epoch = cast(func.strftime("%s", column), BigInteger)
+    return (epoch // step_s) * step_s

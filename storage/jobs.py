@@ -85,14 +85,24 @@ async def get_run(session: AsyncSession, run_id: int) -> RunInfo | None:
 
 
 async def list_runs(
-    session: AsyncSession, policy: str | None = None, kind: str | None = None, limit: int = 100
+    session: AsyncSession,
+    policy: str | None = None,
+    kind: str | None = None,
+    limit: int = 100,
+    *,
+    status: str | None = None,
+    before_id: int | None = None,
 ) -> list[RunInfo]:
-    """Runs, newest first."""
+    """Runs, newest first; `before_id` pages on (runs with smaller ids only)."""
     stmt = select(TrainingRun, Policy.name).join(Policy, Policy.id == TrainingRun.policy_id)
     if policy is not None:
         stmt = stmt.where(Policy.name == policy)
     if kind is not None:
         stmt = stmt.where(TrainingRun.kind == kind)
+    if status is not None:
+        stmt = stmt.where(TrainingRun.status == status)
+    if before_id is not None:
+        stmt = stmt.where(TrainingRun.id < before_id)
     rows = await session.execute(stmt.order_by(TrainingRun.id.desc()).limit(limit))
     return [_run(run, name) for run, name in rows]
 

@@ -72,6 +72,10 @@ class Episode(Base):
     """A trajectory: the calls of one conversation or agent run, in order."""
 
     __tablename__ = "episodes"
+    __table_args__ = (
+        Index("ix_episodes_policy_created_at", "policy", "created_at"),
+        Index("ix_episodes_reward_created_at", "reward", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     policy: Mapped[str | None] = mapped_column(String(128), index=True)
@@ -96,7 +100,10 @@ class Call(Base):
     """One chat completion as the client saw it, plus what training needs (token ids, behaviour logprobs)."""
 
     __tablename__ = "calls"
-    __table_args__ = (Index("ix_calls_episode_position", "episode_id", "position"),)
+    __table_args__ = (
+        Index("ix_calls_episode_position", "episode_id", "position"),
+        Index("ix_calls_policy_created_at", "policy", "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     # The client's own request id (`x-request-id`): indexed for feedback, not unique (SDK retries repeat it).
@@ -156,6 +163,7 @@ class Reward(Base):
     """One reward signal for a call or an episode. No foreign key: feedback may arrive before the call row."""
 
     __tablename__ = "rewards"
+    __table_args__ = (Index("ix_rewards_episode_id_source", "episode_id", "source"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     call_id: Mapped[str | None] = mapped_column(String(64), index=True)

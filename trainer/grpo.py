@@ -43,6 +43,8 @@ class UpdateResult:
     stopped_early: bool = False
     problems: list[str] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: One entry per optimizer step: its loss and gradient norm (the dashboard draws them).
+    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def _forward_logprobs(model: Any, batch: Batch, device: torch.device, start: int = 0) -> Tensor:
@@ -113,6 +115,7 @@ def run_update(
         order = torch.randperm(len(samples), generator=generator).tolist()
         for window in plan_steps(order, lengths, cfg.micro_batch_size, cfg.grad_accumulation):
             normaliser = float(sum(sum(samples[i].loss_mask[1:]) for mb in window for i in mb))
+            step_loss = 0.0
             for indices in window:
                 if stop is not None and stop.is_set():
                     raise Interrupted("training interrupted")
@@ -152,12 +155,14 @@ def run_update(
                 for name, value in out.metrics().items():
                     if name == "loss":
                         sums["loss"] = sums.get("loss", 0.0) + value * normaliser
+                        step_loss += value  # each micro-batch's loss is already over the step's tokens
                     elif name != "num_tokens":
                         sums[name] = sums.get(name, 0.0) + value * n
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             result.steps += 1
+            result.history.append({"step": result.steps, "loss": step_loss, "grad_norm": float(grad_norm)})
             elapsed = time.perf_counter() - started
             logger.info(
                 "step %d/%d  loss %.4f  grad_norm %.3f  tokens/s %.0f",

@@ -255,6 +255,7 @@ async def _train(
     metrics.update(
         data=report.as_dict(),
         collapse=monitor.history,
+        history=result.history,
         stopped_early=result.stopped_early,
         wall_s=time.perf_counter() - started,
     )

@@ -105,16 +105,7 @@ class PoliciesController(Controller):
         session: NamedDependency[AsyncSession],
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
-        # Added first: `promote` commits, and a refusal rolls the entry back with the session.
-        await record_audit(
-            session, principal_of(request).actor, "policy.promote", name, {"version": data.version}
-        )
-        try:
-            await promote(session, name, data.version)
-        except LookupError as exc:
-            raise NotFound(str(exc), param="version", code="version_not_found") from exc
-        [view] = await _view(session, name)
-        return view
+        return await promote_version(session, principal_of(request).actor, name, data.version)
 
     @post("/{name:str}/rollback", status_code=200)
     async def rollback(
@@ -124,17 +115,34 @@ class PoliciesController(Controller):
         session: NamedDependency[AsyncSession],
     ) -> PolicyView:
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
-        current = await get_policy(session, name)
-        await record_audit(
-            session,
-            principal_of(request).actor,
-            "policy.rollback",
-            name,
-            {"from_version": current.active_version if current else None},
-        )
-        try:
-            await rollback(session, name)
-        except LookupError as exc:
-            raise NotFound(str(exc), param="name", code="no_previous_version") from exc
-        [view] = await _view(session, name)
-        return view
+        return await roll_back(session, principal_of(request).actor, name)
+
+
+async def promote_version(session: AsyncSession, actor: str, name: str, version: int) -> PolicyView:
+    """Promote `version` of policy `name`, audited as `actor` (the admin API and the dashboard)."""
+    # Added first: `promote` commits, and a refusal rolls the entry back with the session.
+    await record_audit(session, actor, "policy.promote", name, {"version": version})
+    try:
+        await promote(session, name, version)
+    except LookupError as exc:
+        raise NotFound(str(exc), param="version", code="version_not_found") from exc
+    [view] = await _view(session, name)
+    return view
+
+
+async def roll_back(session: AsyncSession, actor: str, name: str) -> PolicyView:
+    """Re-activate the version active before the current one, audited as `actor`."""
+    current = await get_policy(session, name)
+    await record_audit(
+        session,
+        actor,
+        "policy.rollback",
+        name,
+        {"from_version": current.active_version if current else None},
+    )
+    try:
+        await rollback(session, name)
+    except LookupError as exc:
+        raise NotFound(str(exc), param="name", code="no_previous_version") from exc
+    [view] = await _view(session, name)
+    return view

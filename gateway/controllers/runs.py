@@ -98,7 +98,7 @@ class RunsController(Controller):
         jobs: NamedDependency[Jobs],
     ) -> ScheduleView:
         """Stop the policy's scheduled jobs (manual runs still work)."""
-        return await _set_paused(request, session, jobs, name, True)
+        return await set_paused(session, jobs, principal_of(request).actor, name, True)
 
     @post("/policies/{name:str}/resume", status_code=200)
     async def resume(
@@ -109,7 +109,7 @@ class RunsController(Controller):
         jobs: NamedDependency[Jobs],
     ) -> ScheduleView:
         """Restart the policy's scheduled jobs."""
-        return await _set_paused(request, session, jobs, name, False)
+        return await set_paused(session, jobs, principal_of(request).actor, name, False)
 
 
 async def _start(
@@ -126,9 +126,8 @@ async def _start(
     return Started(run_id, name, kind)
 
 
-async def _set_paused(
-    request: Request[Any, Any, Any], session: AsyncSession, jobs: Jobs, name: str, paused: bool
-) -> ScheduleView:
+async def set_paused(session: AsyncSession, jobs: Jobs, actor: str, name: str, paused: bool) -> ScheduleView:
+    """Pause or resume a policy's schedule, audited as `actor` (the admin API and the dashboard)."""
     policy = await get_policy(session, name)
     if policy is None:
         raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
@@ -139,7 +138,7 @@ async def _set_paused(
     stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
     await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
     action = "policy.pause" if paused else "policy.resume"
-    await record_audit(session, principal_of(request).actor, action, name)
+    await record_audit(session, actor, action, name)
     await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own
     await jobs.sync()
     return ScheduleView(name, schedule.model_copy(update={"paused": paused}).model_dump(mode="json"))

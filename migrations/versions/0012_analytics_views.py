@@ -1,7 +1,7 @@
 """analytics views: one row per trajectory, and traffic, rewards and judging per day
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 
 The views read plain columns of `episodes`, `calls`, `rewards` and `judge_groups` only (no JSON paths in
 joins or filters), so they keep working when those tables are partitioned or rebuilt; a migration that
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0012"
-down_revision: str | None = "0010"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

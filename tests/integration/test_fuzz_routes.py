@@ -1,7 +1,10 @@
 """Malformed requests on every route: never a 5xx, every error in OpenAI's shape, nothing written.
 
 The cases are a table of the app's routes crossed with mutators (body, path parameter, query parameter,
-auth header), sent over real HTTP to a real gateway on SQLite and on PostgreSQL.
+auth header), sent over real HTTP to a real gateway on SQLite and on PostgreSQL. The dashboard's pages answer
+HTML: their errors are HTML pages with a 4xx (or a redirect to the login form), never a 5xx; its fetch
+endpoints answer JSON in OpenAI's shape like every other route. Dashboard routes authenticate with the
+session cookie (and, for writes, the CSRF header) of a login made at the start of the test.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import query
+from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 
@@ -33,6 +37,9 @@ TABLES = (
     "audit",
     "responses",
 )
+SESSION = (
+    "dashboard-session"  # as a route's `key`: the dashboard's cookie (and CSRF header), not a bearer key
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class Route:
     reads_only: bool = False  # GET routes that answer 200 to input they ignore
     required: tuple[str, ...] = ()  # body fields whose absence is an error
     number_field: str = "n"  # where "huge number" puts its 400-digit integer (a field the route checks)
+    html: bool = False  # a dashboard page: errors are HTML pages (or a redirect to the login form)
 
 
 USER = [{"role": "user", "content": "hi"}]
@@ -216,6 +224,98 @@ ROUTES = [
         query={"limit": ["abc", "-1", "0", "99999999999999999999999", "1e400", ""]},
         reads_only=True,
     ),
+    # The dashboard: pages (HTML) and the fetches its script makes (JSON).
+    Route("GET", "/dashboard/login", None, query={"next": ["%00", "x" * 3000]}, html=True),
+    Route(
+        "POST",
+        "/dashboard/session",
+        None,
+        {"key": "not-a-key"},
+        {"key": [None, 5, "", "x" * 5000], "next": [5, "x" * 3000]},
+        required=("key",),
+    ),
+    Route(
+        "GET",
+        "/dashboard",
+        SESSION,
+        query={"window": ["9y", "%00"], "policy": ["%00", "x" * 300]},
+        reads_only=True,
+        html=True,
+    ),
+    Route(
+        "GET",
+        "/dashboard/episodes",
+        SESSION,
+        query={
+            "version": ["abc", "-1", "99999999999999999999999"],
+            "min_reward": ["abc", "nan", "1e400"],
+            "max_reward": ["inf"],
+            "feedback": ["maybe"],
+            "rewarded": ["2"],
+            "since": ["yesterday", "2025-13-45"],
+            "until": ["%00"],
+            "q": ["%00", "x" * 300],
+            "after": ["not-a-cursor", "~", "2025-01-01T00:00:00~%00"],
+        },
+        reads_only=True,
+        html=True,
+    ),
+    Route(
+        "GET",
+        "/dashboard/episodes/{episode_id}",
+        SESSION,
+        params={"episode_id": "ep-none"},
+        query={"queue": ["sideways"]},
+        html=True,
+    ),
+    Route("GET", "/dashboard/review", SESSION, query={"part": ["middle"], "after": ["%00"]}, html=True),
+    Route("GET", "/dashboard/policies", SESSION, reads_only=True, html=True),
+    Route("GET", "/dashboard/policies/{name}", SESSION, params={"name": "nope"}, html=True),
+    Route(
+        "GET",
+        "/dashboard/runs",
+        SESSION,
+        query={"kind": ["dance"], "status": ["?"], "before": ["abc", "-5"]},
+        reads_only=True,
+        html=True,
+    ),
+    Route("GET", "/dashboard/runs/{run_id}", SESSION, params={"run_id": "1"}, html=True),
+    Route(
+        "GET",
+        "/dashboard/judge",
+        SESSION,
+        query={"window": ["forever"], "status": ["fine"], "before": ["x"]},
+        reads_only=True,
+        html=True,
+    ),
+    Route("GET", "/dashboard/static/{name}", None, params={"name": "dashboard.css"}),
+    Route(
+        "POST",
+        "/dashboard/feedback",
+        SESSION,
+        {"episode_id": "ep-none", "value": True},
+        {
+            "value": [None, [], {"a": 1}, "good", 1e400],
+            "episode_id": [5, "", "x" * 100, "nul\u0000"],
+            "request_id": [5, "bad id with spaces"],
+            "comment": [5, "x" * 10_001],
+        },
+        required=("value",),
+    ),
+    Route("POST", "/dashboard/logout", SESSION),
+    Route(
+        "POST",
+        "/dashboard/policies/{name}/promote",
+        SESSION,
+        {"version": 1},
+        {"version": [-1, 10**30, "one", None, 1.5]},
+        params={"name": "nope"},
+        required=("version",),
+    ),
+    *[
+        Route("POST", f"/dashboard/policies/{{name}}/{action}", SESSION, params={"name": "nope"})
+        for action in ("rollback", "pause", "resume")
+    ],
 ]
 
 
@@ -272,6 +372,8 @@ def _url(route: Route, **params: str) -> str:
 
 
 def _auth(route: Route) -> dict[str, str]:
+    if route.key == SESSION:
+        return {"x-fuzz-session": "with-csrf"}  # replaced by the login's cookie and CSRF header when sent
     return {"authorization": f"Bearer {route.key}"} if route.key else {}
 
 
@@ -325,6 +427,13 @@ def build_cases() -> list[Case]:
                 cases.append(Case(f"{rid}: auth {name}", route, _url(route), content, bad, True))
             content = _json(route.body) if route.body is not None else None
             cases.append(Case(f"{rid}: no auth", route, _url(route), content, json_headers, True))
+        if route.key == SESSION:
+            content = _json(route.body) if route.body is not None else None
+            forged = {**json_headers, "cookie": "kaizen_dashboard=e30.AAAA"}
+            cases.append(Case(f"{rid}: forged session", route, _url(route), content, forged, True))
+            if route.method == "POST":
+                no_csrf = {**json_headers, "x-fuzz-session": "without-csrf"}
+                cases.append(Case(f"{rid}: no csrf token", route, _url(route), content, no_csrf, True))
         if route.reads_only:
             cases.append(
                 Case(f"{rid}: junk query", route, _url(route) + "?%ff=%00&limit", None, headers, False)
@@ -367,20 +476,30 @@ def test_malformed_requests_get_openai_shaped_4xx_and_write_nothing(
     make_gateway: Callable[..., GatewayServer], database_url: str
 ) -> None:
     gw = make_gateway(database_url, api_keys=[API_KEY], admin_key=ADMIN_KEY, max_body_bytes=MAX_BODY)
+    session = login(gw.url, ADMIN_KEY)
+    cookie = "; ".join(f"{name}={value}" for name, value in session.cookies.items())
+    csrf = str(session.headers["x-kaizen-csrf"])
     before = _counts(database_url)
     statuses: dict[str, int] = {}
     failures: list[str] = []
     with httpx.Client(base_url=gw.url, timeout=10) as client:
         for case in CASES:
-            response = client.request(
-                case.route.method, case.path, content=case.content, headers=case.headers
-            )
+            headers = dict(case.headers)
+            mode = headers.pop("x-fuzz-session", None)
+            if mode is not None:
+                headers["cookie"] = cookie
+                if mode == "with-csrf":
+                    headers["x-kaizen-csrf"] = csrf
+            response = client.request(case.route.method, case.path, content=case.content, headers=headers)
             statuses[case.name] = response.status_code
             if response.status_code >= 500:
                 failures.append(f"{case.name}: {response.status_code} {response.text[:200]}")
                 continue
-            if case.rejected and not 400 <= response.status_code < 500:
+            refused = 400 <= response.status_code < 500 or (case.route.html and response.status_code == 303)
+            if case.rejected and not refused:
                 failures.append(f"{case.name}: expected a 4xx, got {response.status_code}")
+            if case.route.html and response.headers["content-type"].startswith("text/html"):
+                continue  # a page's error is a page (a URL no route matches gets the app's JSON 404)
             if response.status_code >= 400:
                 try:
                     validate("ErrorResponse", response.json())

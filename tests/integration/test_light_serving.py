@@ -14,7 +14,8 @@ from tests.support.scripted_upstream import ScriptedUpstream
 HEAVY = ("torch", "polars")
 
 #: Runs in a fresh interpreter, so the test process's own imports cannot hide one: imports the serving
-#: entry point, starts the app (engine, capture, router, scheduler), answers /readyz and one captured call.
+#: entry point, starts the app (engine, capture, router, scheduler), answers /readyz and one captured call,
+#: and renders the dashboard's pages.
 _SERVE = textwrap.dedent(
     """
     import asyncio, json, sys
@@ -37,7 +38,13 @@ _SERVE = textwrap.dedent(
                 "/v1/chat/completions",
                 json={{"model": "scripted-1", "messages": [{{"role": "user", "content": "a b"}}]}},
             )
-        return {{"readyz": ready.status_code, "chat": chat.status_code}}
+            await client.post("/dashboard/session", json={{"key": "light-admin"}})
+            pages = [
+                (await client.get(page)).status_code
+                for page in ("/dashboard", "/dashboard/episodes", "/dashboard/policies", "/dashboard/runs",
+                             "/dashboard/judge")
+            ]
+        return {{"readyz": ready.status_code, "chat": chat.status_code, "pages": pages}}
 
     answers = asyncio.run(serve())
     print(json.dumps({{
@@ -57,6 +64,7 @@ def test_serving_process_loads_neither_torch_nor_polars(tmp_path: Path, upstream
         "KAIZEN_DATA_DIR": str(tmp_path),
         "KAIZEN_DATABASE_URL": "",
         "KAIZEN_SCHEDULER": "true",
+        "KAIZEN_ADMIN_KEY": "light-admin",
     }
     done = subprocess.run(
         [sys.executable, "-c", _SERVE], env=env, capture_output=True, text=True, timeout=120, check=False
@@ -64,5 +72,6 @@ def test_serving_process_loads_neither_torch_nor_polars(tmp_path: Path, upstream
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert (seen["readyz"], seen["chat"]) == (200, 200)
+    assert seen["pages"] == [200] * 5
     assert seen["after_import"] == []
     assert seen["after_serving"] == []

@@ -24,7 +24,9 @@ and ``token_logprobs`` as vLLM lays them out) and ``/v1/embeddings`` determinist
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
 ``refusal``, ``stop_reason``/``token_ids`` fields, finish_reason on the last token's chunk, integer
-error codes) so the gateway's normaliser is exercised; ``vllm_quirks=False`` answers like OpenAI.
+error codes) so the gateway's normaliser is exercised, and it serves vLLM's runtime LoRA API
+(``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``), so a gateway attached to it with
+``KAIZEN_ENGINE=vllm`` routes policy versions; ``vllm_quirks=False`` answers like OpenAI.
 
 Tokens are whitespace-separated words: token ``i`` of a reply is the word (with its leading space
 after the first), its id is ``crc32(word) % 50000`` and its logprob ``-(i % 5) / 10``.
@@ -46,6 +48,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal
 
@@ -566,9 +569,26 @@ class _Handlers:
                 card |= {"root": name, "parent": None, "max_model_len": 4096, "permission": []}
             models.append(card)
         self.models_body = _encode({"object": "list", "data": models})
+        self.adapters: dict[str, str] = {}  # LoRA name -> directory, as loaded through the runtime API
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response()
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's runtime adapter API: the directory must exist; the name is then served."""
+        body = _decode(await request.read())
+        name, path = body.get("lora_name"), body.get("lora_path")
+        exists = isinstance(path, str) and await asyncio.to_thread(Path(path).is_dir)
+        if not isinstance(name, str) or not exists:
+            return self.error(400, f"cannot load LoRA adapter {name!r} from {path!r}")
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name = _decode(await request.read()).get("lora_name")
+        if self.adapters.pop(name, None) is None:
+            return self.error(404, f"the LoRA adapter {name!r} is not loaded")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def models(self, _: web.Request) -> web.Response:
         return web.Response(body=self.models_body, headers=_JSON_HEADERS)
@@ -751,6 +771,9 @@ def build_app(*, vllm_quirks: bool = True, log: list[RecordedRequest] | None = N
     app.router.add_post("/v1/embeddings", handlers.embeddings)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
+    if vllm_quirks:
+        app.router.add_post("/v1/load_lora_adapter", handlers.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", handlers.unload_lora_adapter)
     return app
 
 

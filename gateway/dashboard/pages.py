@@ -1,0 +1,698 @@
+"""The dashboard's pages (HTML, server-rendered): overview, episodes and trajectories, the review queue,
+policies, training runs and judge groups. Reads only; the writes are in `gateway.dashboard.actions`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from litestar import Controller, Request, get
+from litestar.di import NamedDependency
+from litestar.params import FromPath, QueryParameter
+from litestar.response import Redirect, Template
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.auth import principal_of
+from gateway.controllers.params import PathName, RowId
+from gateway.dashboard.actions import safe_next
+from gateway.dashboard.charts import Chart, Marker, Series, number_axis, render, time_axis
+from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
+from gateway.errors import InvalidRequest, NotFound
+from gateway.settings import Settings
+from storage.audit import list_audit
+from storage.dashboard import (
+    EpisodeCursor,
+    EpisodeFilter,
+    VersionEvent,
+    episode_created_at,
+    episode_detail,
+    episode_rewards,
+    episode_totals,
+    judge_series,
+    list_episodes,
+    list_judge_groups,
+    list_sources,
+    queue_neighbour,
+    reward_series,
+    traffic_series,
+    version_events,
+)
+from storage.jobs import RunInfo, get_run, list_runs
+from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
+from trainer.policy_config import InvalidPolicyConfig, load_policy_config
+
+PAGE_SIZE = 50
+LOG_TAIL_BYTES = 64 * 1024
+# window -> (length, bucket): about a hundred points per chart.
+WINDOWS: dict[str, tuple[timedelta, int]] = {
+    "1h": (timedelta(hours=1), 60),
+    "6h": (timedelta(hours=6), 300),
+    "24h": (timedelta(hours=24), 900),
+    "7d": (timedelta(days=7), 7200),
+    "30d": (timedelta(days=30), 21600),
+}
+QUEUE_PARTS = ("unrewarded", "rewarded")
+"""The review queue's two parts, in order (index: whether the episodes in it are rewarded)."""
+_NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"
+Text = Annotated[str | None, QueryParameter(max_length=256, pattern=_NO_CONTROL)]
+"""A filter value typed into a form: bounded, without control characters (empty or absent: no filter).
+(The constraints sit on the optional type itself: on `FromQuery[... | None]` they would not be checked.)"""
+
+
+def _context(request: Request[Any, Any, Any], page: str, **values: Any) -> dict[str, Any]:
+    signer: SessionSigner = request.app.state.dashboard_signer
+    return {
+        "page": page,
+        "actor": principal_of(request).actor,
+        "csrf": signer.csrf_token(session_of(request)),
+        **values,
+    }
+
+
+def _window(name: str | None) -> tuple[str, datetime, datetime, int]:
+    key = name or "24h"
+    if key not in WINDOWS:
+        raise InvalidRequest(
+            f"window must be one of {', '.join(WINDOWS)}", param="window", code="invalid_value"
+        )
+    length, step = WINDOWS[key]
+    now = datetime.now(UTC)
+    # Whole buckets, so that the newest point is not a partial one that looks like a drop.
+    until = datetime.fromtimestamp((int(now.timestamp()) // step + 1) * step, UTC)
+    return key, until - length, until, step
+
+
+def _blank(value: str | None) -> str | None:
+    return value.strip() or None if value is not None else None
+
+
+def _number(value: str | None, param: str, kind: type[float] | type[int] = float) -> Any:
+    text = _blank(value)
+    if text is None:
+        return None
+    try:
+        number = kind(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param} must be a number", param=param, code="invalid_value") from exc
+    if kind is int and not 0 <= number <= 2**63 - 1:
+        raise InvalidRequest(f"{param} is out of range", param=param, code="invalid_value")
+    if kind is float and not math.isfinite(number):
+        raise InvalidRequest(f"{param} must be a finite number", param=param, code="invalid_value")
+    return number
+
+
+def _time(value: str | None, param: str) -> datetime | None:
+    text = _blank(value)
+    if text is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"{param} must be a date or time like 2025-01-31 or 2025-01-31T12:00",
+            param=param,
+            code="invalid_value",
+        ) from exc
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def _choice(value: str | None, param: str, choices: Sequence[str]) -> str | None:
+    text = _blank(value)
+    if text is not None and text not in choices:
+        raise InvalidRequest(
+            f"{param} must be one of {', '.join(choices)}", param=param, code="invalid_value"
+        )
+    return text
+
+
+def encode_cursor(cursor: EpisodeCursor) -> str:
+    return f"{cursor.created_at.isoformat()}~{cursor.id}"
+
+
+def decode_cursor(value: str | None) -> EpisodeCursor | None:
+    text = _blank(value)
+    if text is None:
+        return None
+    stamp, _, episode_id = text.rpartition("~")
+    try:
+        created = datetime.fromisoformat(stamp)
+    except ValueError as exc:
+        raise InvalidRequest("after is not a page cursor", param="after", code="invalid_value") from exc
+    return EpisodeCursor(created if created.tzinfo else created.replace(tzinfo=UTC), episode_id)
+
+
+def _markers(events: Sequence[VersionEvent]) -> list[Marker]:
+    labels = {"promote": "promoted v{}", "rollback": "rolled back from v{}", "gate": "gate promoted v{}"}
+    return [Marker(e.at.timestamp(), labels[e.kind].format(e.version), e.kind) for e in events]
+
+
+def _paused(policy: PolicyInfo) -> bool | None:
+    try:
+        return load_policy_config(policy.config).schedule.paused
+    except InvalidPolicyConfig:
+        return None
+
+
+class LoginPage(Controller):
+    """The login form: the one page shown without a session (its script posts the key as JSON)."""
+
+    path = "/dashboard/login"
+
+    @get("")
+    async def login(self, next: Text = None) -> Template:
+        return Template("login.html.j2", context={"page": "login", "next": safe_next(next or "/dashboard")})
+
+
+class DashboardPages(Controller):
+    path = "/dashboard"
+    guards = [requires_login(page=True)]  # noqa: RUF012
+
+    @get("")
+    async def overview(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        window: Text = None,
+        policy: Text = None,
+    ) -> Template:
+        """Traffic, errors, latency and tokens over the window; the live reward of each policy by version."""
+        key, since, until, step = _window(_blank(window))
+        chosen = _blank(policy)
+        axis = time_axis(since, until)
+        traffic = await traffic_series(session, since, until, step, chosen)
+        totals = await episode_totals(session, since, until, chosen)
+        x = [b.start.timestamp() for b in traffic]
+        charts = [
+            Chart(
+                "Calls and errors",
+                [
+                    Series("calls", list(zip(x, [b.calls for b in traffic], strict=True))),
+                    Series("errors", list(zip(x, [b.errors for b in traffic], strict=True))),
+                ],
+                axis,
+                y_label=f"per {step // 60} min",
+            ),
+            Chart(
+                "Latency",
+                [
+                    Series(
+                        "mean ms",
+                        [
+                            (t, b.mean_latency_ms)
+                            for t, b in zip(x, traffic, strict=True)
+                            if b.mean_latency_ms is not None
+                        ],
+                    ),
+                    Series(
+                        "max ms",
+                        [
+                            (t, b.max_latency_ms)
+                            for t, b in zip(x, traffic, strict=True)
+                            if b.max_latency_ms is not None
+                        ],
+                    ),
+                ],
+                axis,
+                y_label="ms",
+            ),
+            Chart(
+                "Tokens",
+                [
+                    Series("prompt", list(zip(x, [b.prompt_tokens for b in traffic], strict=True))),
+                    Series("completion", list(zip(x, [b.completion_tokens for b in traffic], strict=True))),
+                ],
+                axis,
+                y_label=f"per {step // 60} min",
+            ),
+        ]
+        policies = await list_policies(session)
+        events = await version_events(session, since, until, chosen)
+        reward_charts = []
+        for info in policies:
+            if chosen is not None and info.name != chosen:
+                continue
+            points = await reward_series(session, info.name, since, until, step)
+            by_version: dict[int | None, list[tuple[float, float]]] = {}
+            for point in points:
+                by_version.setdefault(point.version, []).append((point.start.timestamp(), point.mean_reward))
+            series = [
+                Series("base" if version is None else f"v{version}", values)
+                for version, values in sorted(
+                    by_version.items(), key=lambda item: -1 if item[0] is None else item[0]
+                )
+            ]
+            reward_charts.append(
+                (
+                    info,
+                    render(
+                        Chart(
+                            f"Live reward of {info.name} by serving version",
+                            series,
+                            axis,
+                            markers=_markers([e for e in events if e.policy == info.name]),
+                            y_label="mean reward",
+                        ),
+                        caption=False,
+                    ),
+                )
+            )
+        return Template(
+            "overview.html.j2",
+            context=_context(
+                request,
+                "overview",
+                window=key,
+                windows=list(WINDOWS),
+                since=since,
+                until=until,
+                policy=chosen,
+                policies=policies,
+                totals=totals,
+                calls=sum(b.calls for b in traffic),
+                errors=sum(b.errors for b in traffic),
+                prompt_tokens=sum(b.prompt_tokens for b in traffic),
+                completion_tokens=sum(b.completion_tokens for b in traffic),
+                charts=[render(c) for c in charts],
+                reward_charts=reward_charts,
+                events=events,
+            ),
+        )
+
+    @get("/episodes")
+    async def episodes(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        policy: Text = None,
+        version: Text = None,
+        min_reward: Text = None,
+        max_reward: Text = None,
+        # `feedback` is also the name of a dependency (the feedback service): the parameter is renamed.
+        with_feedback: Annotated[
+            str | None, QueryParameter(name="feedback", max_length=256, pattern=_NO_CONTROL)
+        ] = None,
+        rewarded: Text = None,
+        since: Text = None,
+        until: Text = None,
+        q: Text = None,
+        source: Text = None,
+        after: Text = None,
+    ) -> Template:
+        """A filtered page of episodes, newest first, with a link to the next page."""
+        flags = ("yes", "no")
+        has_feedback = _choice(with_feedback, "feedback", flags)
+        is_rewarded = _choice(rewarded, "rewarded", flags)
+        filt = EpisodeFilter(
+            policy=_blank(policy),
+            version=_number(version, "version", int),
+            min_reward=_number(min_reward, "min_reward"),
+            max_reward=_number(max_reward, "max_reward"),
+            feedback=None if has_feedback is None else has_feedback == "yes",
+            rewarded=None if is_rewarded is None else is_rewarded == "yes",
+            since=_time(since, "since"),
+            until=_time(until, "until"),
+            text=_blank(q),
+            source=_blank(source),
+        )
+        rows, cursor = await list_episodes(session, filt, PAGE_SIZE, decode_cursor(after))
+        form = {
+            "policy": policy or "",
+            "version": version or "",
+            "min_reward": min_reward or "",
+            "max_reward": max_reward or "",
+            "feedback": has_feedback or "",
+            "rewarded": is_rewarded or "",
+            "since": since or "",
+            "until": until or "",
+            "q": q or "",
+            "source": source or "",
+        }
+        kept = {k: v for k, v in form.items() if v}
+        next_url = (
+            f"/dashboard/episodes?{urlencode({**kept, 'after': encode_cursor(cursor)})}" if cursor else None
+        )
+        return Template(
+            "episodes.html.j2",
+            context=_context(
+                request,
+                "episodes",
+                rows=rows,
+                form=form,
+                next_url=next_url,
+                first_url=f"/dashboard/episodes?{urlencode(kept)}" if after else None,
+                policies=[p.name for p in await list_policies(session)],
+                sources=await list_sources(session),
+            ),
+        )
+
+    @get("/episodes/{episode_id:str}")
+    async def episode(
+        self,
+        request: Request[Any, Any, Any],
+        episode_id: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+        queue: Text = None,
+        policy: Text = None,
+    ) -> Template:
+        """One trajectory: every call's messages, tools and reply, every reward and where it came from."""
+        detail = await episode_detail(session, episode_id)
+        if detail is None:
+            raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")
+        rewards = await episode_rewards(session, episode_id)
+        part = _choice(queue, "queue", QUEUE_PARTS)
+        review = {
+            "after": episode_id,
+            "part": part or QUEUE_PARTS[0],
+            **({"policy": p} if (p := _blank(policy)) else {}),
+        }
+        final = detail.calls[-1] if detail.calls else None
+        return Template(
+            "episode.html.j2",
+            context=_context(
+                request,
+                "episodes",
+                episode=detail,
+                final=final,
+                rewards=rewards,
+                in_queue=part is not None,
+                next_url=f"/dashboard/review?{urlencode(review)}",
+                pretty=_pretty,
+            ),
+        )
+
+    @get("/review")
+    async def review(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        after: Text = None,
+        part: Text = None,
+        policy: Text = None,
+    ) -> Template | Redirect:
+        """The review queue: the next episode to label (unrewarded first, newest first), opened in queue mode."""
+        chosen = _blank(policy)
+        in_rewarded = _choice(part, "part", QUEUE_PARTS) == "rewarded"
+        current = None
+        if (after_id := _blank(after)) is not None:
+            created = await episode_created_at(session, after_id)
+            current = EpisodeCursor(created, after_id) if created is not None else None
+        found = await queue_neighbour(session, current, in_rewarded=in_rewarded, policy=chosen)
+        if found is None:
+            return Template("queue_empty.html.j2", context=_context(request, "review", policy=chosen))
+        episode_id, rewarded = found
+        query = {"queue": QUEUE_PARTS[rewarded], **({"policy": chosen} if chosen else {})}
+        return Redirect(f"/dashboard/episodes/{episode_id}?{urlencode(query)}", status_code=303)
+
+    @get("/policies")
+    async def policies(
+        self, request: Request[Any, Any, Any], session: NamedDependency[AsyncSession]
+    ) -> Template:
+        """Every policy: its active version, how many versions it has, whether its schedule is paused."""
+        rows = []
+        for info in await list_policies(session):
+            versions = await list_adapters(session, info.id)
+            rows.append((info, len(versions), _paused(info)))
+        return Template("policies.html.j2", context=_context(request, "policies", rows=rows))
+
+    @get("/policies/{name:str}")
+    async def policy(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+    ) -> Template:
+        """One policy: versions (promote, rollback), schedule (pause, resume), configuration, recent changes."""
+        info = await get_policy(session, name)
+        if info is None:
+            raise NotFound(f"no policy named {name!r}", code="policy_not_found")
+        try:
+            effective: dict[str, Any] | None = load_policy_config(info.config).model_dump(mode="json")
+            problem = None
+        except InvalidPolicyConfig as exc:
+            effective, problem = None, str(exc)
+        return Template(
+            "policy.html.j2",
+            context=_context(
+                request,
+                "policies",
+                policy=info,
+                versions=list(reversed(await list_adapters(session, info.id))),
+                paused=_paused(info),
+                stored=_pretty(info.config),
+                effective=_pretty(effective) if effective is not None else None,
+                problem=problem,
+                audit=await list_audit(session, target=name, limit=20),
+                runs=await list_runs(session, name, None, 10),
+            ),
+        )
+
+    @get("/runs")
+    async def runs(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        policy: Text = None,
+        kind: Text = None,
+        status: Text = None,
+        before: Text = None,
+    ) -> Template:
+        """Runs of every kind, newest first; reward, loss and the gate's numbers of the latest train runs."""
+        chosen = _blank(policy)
+        kind_value = _choice(kind, "kind", ("train", "judge", "retention"))
+        status_value = _choice(status, "status", ("running", "succeeded", "skipped", "failed", "rejected"))
+        before_id = _number(before, "before", int)
+        rows = await list_runs(
+            session, chosen, kind_value, PAGE_SIZE, status=status_value, before_id=before_id
+        )
+        trains = list(reversed(await list_runs(session, chosen, "train", 100)))
+        form = {"policy": chosen or "", "kind": kind_value or "", "status": status_value or ""}
+        kept = {k: v for k, v in form.items() if v}
+        next_url = (
+            f"/dashboard/runs?{urlencode({**kept, 'before': rows[-1].id})}"
+            if len(rows) == PAGE_SIZE
+            else None
+        )
+        return Template(
+            "runs.html.j2",
+            context=_context(
+                request,
+                "runs",
+                rows=rows,
+                form=form,
+                next_url=next_url,
+                policies=[p.name for p in await list_policies(session)],
+                charts=_run_charts(trains),
+            ),
+        )
+
+    @get("/runs/{run_id:int}")
+    async def run(
+        self,
+        request: Request[Any, Any, Any],
+        run_id: FromPath[RowId],
+        session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
+    ) -> Template:
+        """One run: status, the data it used, its loss and collapse series, the gate's decision, its log."""
+        info = await get_run(session, run_id)
+        if info is None:
+            raise NotFound(f"no run {run_id}", code="run_not_found")
+        log_tail = None
+        if info.kind == "train":
+            log_tail = await asyncio.to_thread(_tail, settings.data_dir / "logs" / f"train-{info.policy}.log")
+        metrics = info.metrics
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        return Template(
+            "run.html.j2",
+            context=_context(
+                request,
+                "runs",
+                run=info,
+                numbers=numbers,
+                data=metrics.get("data") if isinstance(metrics.get("data"), dict) else None,
+                gate=metrics.get("gate") if isinstance(metrics.get("gate"), dict) else None,
+                charts=_step_charts(metrics),
+                config=_pretty(info.config),
+                other=_pretty(
+                    {
+                        k: v
+                        for k, v in metrics.items()
+                        if k not in numbers and k not in ("data", "gate", "collapse", "history")
+                    }
+                ),
+                log_tail=log_tail,
+            ),
+        )
+
+    @get("/judge")
+    async def judge(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        policy: Text = None,
+        status: Text = None,
+        window: Text = None,
+        before: Text = None,
+    ) -> Template:
+        """Judged groups: cost, failures and latency over time, and each attempt with its error."""
+        key, since, until, step = _window(_blank(window) or "7d")
+        chosen = _blank(policy)
+        status_value = _choice(status, "status", ("judged", "failed"))
+        series = await judge_series(session, since, until, step, chosen)
+        axis = time_axis(since, until)
+        x = [d.start.timestamp() for d in series]
+        charts = [
+            render(
+                Chart(
+                    "Judged groups and failures",
+                    [
+                        Series("groups", list(zip(x, [d.groups for d in series], strict=True))),
+                        Series("failed", list(zip(x, [d.failed for d in series], strict=True))),
+                    ],
+                    axis,
+                )
+            ),
+            render(
+                Chart(
+                    "Judge cost",
+                    [Series("USD", list(zip(x, [d.cost_usd for d in series], strict=True)))],
+                    axis,
+                    y_label="USD",
+                )
+            ),
+        ]
+        rows = await list_judge_groups(
+            session,
+            policy=chosen,
+            status=status_value,
+            limit=PAGE_SIZE,
+            before_id=_number(before, "before", int),
+        )
+        form = {"policy": chosen or "", "status": status_value or "", "window": key}
+        kept = {k: v for k, v in form.items() if v}
+        return Template(
+            "judge.html.j2",
+            context=_context(
+                request,
+                "judge",
+                rows=rows,
+                charts=charts,
+                form=form,
+                windows=list(WINDOWS),
+                totals={
+                    "groups": sum(d.groups for d in series),
+                    "failed": sum(d.failed for d in series),
+                    "cost_usd": sum(d.cost_usd for d in series),
+                },
+                policies=[p.name for p in await list_policies(session)],
+                next_url=f"/dashboard/judge?{urlencode({**kept, 'before': rows[-1].id})}"
+                if len(rows) == PAGE_SIZE
+                else None,
+            ),
+        )
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _tail(path: Path) -> str | None:
+    """The end of a log file (None when there is none yet)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - LOG_TAIL_BYTES))
+            data = handle.read()
+    except FileNotFoundError:
+        return None
+    text = data.decode("utf-8", errors="replace")
+    return text if size <= LOG_TAIL_BYTES else text.split("\n", 1)[-1]
+
+
+def _metric(run: RunInfo, *path: str) -> float | None:
+    value: Any = run.metrics
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _run_charts(trains: Sequence[RunInfo]) -> list[Any]:
+    """Across train runs (x: run id): the mean reward and loss of the data, and the gate's two rewards."""
+
+    def series(name: str, *path: str) -> Series:
+        return Series(name, [(float(r.id), v) for r in trains if (v := _metric(r, *path)) is not None])
+
+    return [
+        render(
+            Chart(
+                "Training data: reward and loss per run",
+                [series("reward mean", "reward_mean"), series("loss", "loss")],
+                number_axis(),
+            )
+        ),
+        render(
+            Chart(
+                "Gate: held-out reward, candidate vs active",
+                [series("candidate", "gate", "candidate_reward"), series("active", "gate", "active_reward")],
+                number_axis(),
+            )
+        ),
+    ]
+
+
+def _step_charts(metrics: dict[str, Any]) -> list[Any]:
+    """Within one run (x: optimizer step): loss per step, and the collapse guard's signals at each check."""
+    charts = []
+    history = metrics.get("history")
+    if isinstance(history, list) and history:
+        rows = [h for h in history if isinstance(h, dict)]
+        charts.append(
+            render(
+                Chart(
+                    "Loss per optimizer step",
+                    [
+                        Series(
+                            "loss",
+                            [
+                                (float(h["step"]), float(h["loss"]))
+                                for h in rows
+                                if isinstance(h.get("loss"), int | float)
+                            ],
+                        )
+                    ],
+                    number_axis(),
+                )
+            )
+        )
+    collapse = metrics.get("collapse")
+    if isinstance(collapse, list) and collapse:
+        rows = [c for c in collapse if isinstance(c, dict)]
+        names = ("distinct_share", "empty_share", "repetition", "kl_to_base", "mean_entropy")
+        charts.append(
+            render(
+                Chart(
+                    "Collapse signals at each check",
+                    [
+                        Series(
+                            name,
+                            [
+                                (float(c.get("step", 0)), float(c[name]))
+                                for c in rows
+                                if isinstance(c.get(name), int | float)
+                            ],
+                        )
+                        for name in names
+                        if any(isinstance(c.get(name), int | float) for c in rows)
+                    ],
+                    number_axis(),
+                )
+            )
+        )
+    return charts

@@ -1,0 +1,274 @@
+"""The dashboard over real HTTP, on SQLite and PostgreSQL: who gets in, what the pages show, what labels and
+policy actions write. The same flows in a real browser are in test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import httpx
+from openai import OpenAI
+
+from gateway.dashboard.pages import encode_cursor
+from storage.dashboard import EpisodeCursor
+from tests.conftest import query
+from tests.support.dashboard import csrf_token, login, seed_policy_runs
+from tests.support.gateway_server import GatewayServer
+from tests.support.polling import wait_until
+
+MakeGateway = Callable[..., GatewayServer]
+ADMIN = "adm-dashboard-secret"
+CLIENT = "sk-dashboard-client"
+PAGES = ["/dashboard", "/dashboard/episodes", "/dashboard/policies", "/dashboard/runs", "/dashboard/judge"]
+
+
+def _chat(gw: GatewayServer, text: str) -> str:
+    """One captured call with the official SDK; its episode's id."""
+    client = OpenAI(base_url=gw.url + "/v1", api_key=CLIENT, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": text}]
+    )
+    return raw.headers["x-episode-id"]
+
+
+def test_nothing_is_shown_without_a_login(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    with httpx.Client(base_url=gw.url) as anonymous:
+        for page in [*PAGES, "/dashboard/episodes/ep-x", "/dashboard/runs/1", "/dashboard/review"]:
+            answer = anonymous.get(page)
+            assert answer.status_code == 303, page
+            assert answer.headers["location"].startswith("/dashboard/login?next=%2Fdashboard")
+        login_page = anonymous.get("/dashboard/login")
+        assert login_page.status_code == 200 and "csrf-token" not in login_page.text
+        refused = anonymous.post("/dashboard/feedback", json={"episode_id": "x", "value": True})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "login_required"
+        # A client key is not an admin key; a wrong key is nobody's.
+        assert anonymous.post("/dashboard/session", json={"key": CLIENT}).status_code == 403
+        assert anonymous.post("/dashboard/session", json={"key": "wrong"}).status_code == 401
+        # A forged or altered cookie is no session.
+        anonymous.cookies.set("kaizen_dashboard", "e30.AAAA", domain="127.0.0.1", path="/dashboard")
+        assert anonymous.get("/dashboard").status_code == 303
+
+
+def test_login_sets_a_safe_cookie_and_logout_ends_it(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    with httpx.Client(base_url=gw.url) as browser:
+        answer = browser.post("/dashboard/session", json={"key": ADMIN, "next": "https://evil.example/"})
+        assert answer.status_code == 200
+        assert answer.json() == {"next": "/dashboard", "actor": "admin-key"}  # no open redirect
+        cookie = answer.headers["set-cookie"].lower()
+        for attribute in ("httponly", "samesite=strict", "path=/dashboard", "max-age="):
+            assert attribute in cookie
+        page = browser.get("/dashboard")
+        assert page.status_code == 200
+        assert ADMIN not in page.text  # no secret in pages
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-store"
+        token = csrf_token(page.text)
+        # Writes need the CSRF token, and must come from the dashboard's own origin.
+        assert browser.post("/dashboard/logout").json()["error"]["code"] == "csrf_failed"
+        cross = browser.post(
+            "/dashboard/logout", headers={"x-kaizen-csrf": token, "origin": "http://evil.example"}
+        )
+        assert cross.status_code == 403 and cross.json()["error"]["code"] == "cross_origin"
+        # A form post (what a cross-site page can send without a preflight) never reaches a handler.
+        form = browser.post("/dashboard/logout", content=b"a=b", headers={"content-type": "text/plain"})
+        assert form.status_code == 415
+        out = browser.post("/dashboard/logout", headers={"x-kaizen-csrf": token})
+        assert out.status_code == 200
+        assert browser.get("/dashboard").status_code == 303
+
+
+def test_sessions_expire_and_end_when_the_key_is_revoked(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key=ADMIN, policy_refresh_s=0.2)
+    with httpx.Client(base_url=gw.url) as admin:
+        created = admin.post(
+            "/admin/keys",
+            json={"name": "ops", "scopes": ["admin"]},
+            headers={"authorization": f"Bearer {ADMIN}"},
+        ).json()
+    operator = login(gw.url, created["secret"])
+    assert operator.get("/dashboard").status_code == 200
+    assert created["secret"] not in operator.get("/dashboard/policies").text
+    httpx.post(f"{gw.url}/admin/keys/{created['id']}/revoke", headers={"authorization": f"Bearer {ADMIN}"})
+    assert operator.get("/dashboard").status_code == 303
+    # Expiry is the server's decision: a cookie past its time is refused (the signer's tests pin the rest).
+    short = make_gateway(database_url, admin_key=ADMIN, dashboard_session_ttl_s=0.5)
+    with httpx.Client(base_url=short.url) as browser:
+        value = browser.post("/dashboard/session", json={"key": ADMIN}).cookies["kaizen_dashboard"]
+    wait_until(
+        lambda: (
+            httpx.get(short.url + "/dashboard", headers={"cookie": f"kaizen_dashboard={value}"}).status_code
+            == 303
+        ),
+        "the session to expire",
+        timeout_s=10,
+    )
+
+
+def test_pages_show_traffic_episodes_runs_and_judge_groups(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy_runs(database_url, "bot", versions=3)
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    first = _chat(gw, "<script>alert(1)</script> what is the capital of France?")
+    failed = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": "scripted-1", "messages": [{"role": "user", "content": "#error 500"}]},
+        headers={"authorization": f"Bearer {CLIENT}"},
+    )
+    assert failed.status_code == 502  # the engine's error, recorded as an error call
+    tool = _chat(gw, "weather please #tool")
+    gw.flush()
+    browser = login(gw.url, ADMIN)
+    overview = browser.get("/dashboard?window=1h")
+    assert overview.status_code == 200
+    totals = re.search(r'id="totals">(.*?)</section>', overview.text, re.S)
+    assert totals is not None and "<b>3</b><span>calls</span>" in totals.group(1)
+    assert "Live reward of bot by serving version" in overview.text
+    episodes = browser.get("/dashboard/episodes")
+    assert episodes.status_code == 200 and first in episodes.text and "capital of France" in episodes.text
+    for page in (episodes.text, browser.get(f"/dashboard/episodes/{first}").text):
+        assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # escaped
+    trajectory = browser.get(f"/dashboard/episodes/{tool}")
+    assert trajectory.status_code == 200
+    assert "get_weather" in trajectory.text and "tool call" in trajectory.text
+    assert browser.get("/dashboard/episodes/no-such-episode").status_code == 404
+    policy = browser.get("/dashboard/policies/bot")
+    assert policy.status_code == 200 and 'id="active-version">v0<' in policy.text
+    assert "judge_interval_s" in policy.text  # the stored configuration, and the one in effect
+    runs = browser.get("/dashboard/runs?policy=bot")
+    assert runs.status_code == 200 and "collapse guard stopped the run" in runs.text
+    run_ids = [int(r["id"]) for r in query(database_url, "SELECT id FROM training_runs ORDER BY id")]
+    run = browser.get(f"/dashboard/runs/{run_ids[0]}")
+    assert run.status_code == 200 and 'id="gate-decision">promote<' in run.text
+    assert "Loss per optimizer step" in run.text and "Collapse signals" in run.text
+    judge = browser.get("/dashboard/judge")
+    assert judge.status_code == 200 and "judge timed out" in judge.text and "$0.0012" in judge.text
+    for page in PAGES:
+        assert ADMIN not in browser.get(page).text
+    assert browser.get("/dashboard/episodes?min_reward=abc").status_code == 400
+    assert browser.get("/dashboard?window=9y").status_code == 400
+
+
+def test_episode_filters_and_keyset_pages(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    ids = [_chat(gw, f"question {n} about {'apples' if n % 2 else 'pears'}") for n in range(7)]
+    gw.flush()
+    browser = login(gw.url, ADMIN)
+    for episode_id, value in ((ids[0], 0.9), (ids[1], 0.1)):
+        stored = browser.post("/dashboard/feedback", json={"episode_id": episode_id, "value": value})
+        assert stored.status_code == 200, stored.text
+
+    def listed(params: dict[str, str]) -> list[str]:
+        page = browser.get("/dashboard/episodes", params=params)
+        assert page.status_code == 200, page.text
+        return re.findall(r'<tr data-episode="([^"]+)">', page.text)
+
+    assert listed({}) == list(reversed(ids))
+    assert listed({"min_reward": "0.5"}) == [ids[0]]
+    assert listed({"feedback": "yes"}) == [ids[1], ids[0]]
+    assert len(listed({"rewarded": "no"})) == 5
+    assert set(listed({"q": "APPLES"})) == {ids[n] for n in range(7) if n % 2}
+    assert listed({"q": "100%_"}) == []  # LIKE wildcards are matched literally
+    assert listed({"source": "traffic", "policy": "scripted-1"}) == list(reversed(ids))
+    assert listed({"since": "2999-01-01"}) == []
+    # A page ends with a cursor (the last row's time and id); the next page starts right after it.
+    assert 'id="next-page"' not in browser.get("/dashboard/episodes").text  # 7 rows: one page
+    rows = query(database_url, "SELECT id, created_at FROM episodes ORDER BY created_at DESC, id DESC")
+    created = rows[2]["created_at"]
+    created = datetime.fromisoformat(created) if isinstance(created, str) else created
+    cursor = encode_cursor(EpisodeCursor(created.replace(tzinfo=created.tzinfo or UTC), rows[2]["id"]))
+    assert listed({"after": cursor}) == [r["id"] for r in rows[3:]]
+
+
+def test_labels_are_feedback_rows_from_the_logged_in_key(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    episode = _chat(gw, "rate me")
+    gw.flush()
+    call = query(database_url, "SELECT id FROM calls WHERE episode_id = :e", e=episode)[0]["id"]
+    browser = login(gw.url, ADMIN)
+    up = browser.post("/dashboard/feedback", json={"episode_id": episode, "value": True, "comment": "nice"})
+    assert up.status_code == 200, up.text
+    score = browser.post("/dashboard/feedback", json={"request_id": call, "value": 0.25})
+    assert score.status_code == 200, score.text
+    rows = query(
+        database_url,
+        "SELECT source, name, value, label, comment, call_id, episode_id, status, key_id FROM rewards ORDER BY id",
+    )
+    assert [(r["source"], r["name"], r["value"], r["label"], r["comment"]) for r in rows] == [
+        ("feedback", "dashboard", 1.0, "thumbs_up", "nice"),
+        ("feedback", "dashboard", 0.25, None, None),
+    ]
+    assert [(r["call_id"], r["episode_id"], r["status"], r["key_id"]) for r in rows] == [
+        (None, episode, "linked", "admin-key"),
+        (call, episode, "linked", "admin-key"),
+    ]
+    # The episode's reward is derived as for any feedback: the newest `feedback:dashboard` signal.
+    assert query(database_url, "SELECT reward FROM episodes WHERE id = :e", e=episode)[0]["reward"] == 0.25
+    bad = browser.post("/dashboard/feedback", json={"value": True})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_target"
+    page = browser.get(f"/dashboard/episodes/{episode}").text
+    assert page.count('data-name="dashboard"') == 2 and "nice" in page
+
+
+def test_review_queue_goes_through_unrewarded_episodes_first(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    ids = [_chat(gw, f"task {n}") for n in range(4)]  # ids[3] is the newest
+    gw.flush()
+    browser = login(gw.url, ADMIN)
+    browser.post("/dashboard/feedback", json={"episode_id": ids[2], "value": True})
+
+    def next_of(after: str | None, part: str) -> tuple[str, str] | None:
+        answer = browser.get("/dashboard/review", params={"after": after, "part": part} if after else {})
+        if answer.status_code == 200:
+            assert 'id="queue-empty"' in answer.text
+            return None
+        assert answer.status_code == 303
+        target = answer.headers["location"].split("/dashboard/episodes/")[1]
+        episode_id, _, params = target.partition("?queue=")
+        return episode_id, params
+
+    order = []
+    found = next_of(None, "unrewarded")
+    while found is not None and len(order) < 10:
+        order.append(found[0])
+        found = next_of(*found)
+    assert order == [ids[3], ids[1], ids[0], ids[2]]  # unrewarded newest first, then the rewarded one
+
+
+def test_promote_rollback_and_pause_are_audited_as_the_logged_in_key(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy_runs(database_url, "bot", versions=3)
+    gw = make_gateway(database_url, admin_key=ADMIN)
+    browser = login(gw.url, ADMIN)
+    promoted = browser.post("/dashboard/policies/bot/promote", json={"version": 2})
+    assert promoted.status_code == 200 and promoted.json()["active_version"] == 2
+    assert browser.post("/dashboard/policies/bot/promote", json={"version": 9}).status_code == 404
+    assert browser.post("/dashboard/policies/bot/rollback").json()["active_version"] == 0
+    assert browser.post("/dashboard/policies/bot/pause").json()["schedule"]["paused"] is True
+    assert 'id="schedule-state">paused<' in browser.get("/dashboard/policies/bot").text
+    assert browser.post("/dashboard/policies/bot/resume").json()["schedule"]["paused"] is False
+    audit = query(database_url, "SELECT actor, action FROM audit ORDER BY id")
+    assert [(a["actor"], a["action"]) for a in audit] == [
+        ("admin-key", "policy.promote"),
+        ("admin-key", "policy.rollback"),
+        ("admin-key", "policy.pause"),
+        ("admin-key", "policy.resume"),
+    ]
+    overview = browser.get("/dashboard?window=1h&policy=bot").text
+    assert "promoted v2" in overview and "rolled back from v2" in overview and "gate promoted v1" in overview
+
+
+def test_the_dashboard_can_be_switched_off(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, admin_key=ADMIN, dashboard=False)
+    assert httpx.get(gw.url + "/dashboard/login").status_code == 404
+    assert httpx.post(gw.url + "/dashboard/login", json={"key": ADMIN}).status_code == 404
