@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import logging
 import math
 import os
@@ -41,7 +42,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from storage.calls import write_calls
 from storage.database import Database
-from storage.records import CallRecord
+from storage.records import CallRecord, LoggedCall
 
 log = logging.getLogger("gateway.capture_writer")  # not __name__: the process runs it as __main__
 
@@ -266,7 +267,7 @@ class CaptureWriter:
         self.tail = LogTail(self.directory, config.live_from)
         self.draining = False
         self.orphaned = False  # stdin ended without `drain`: the serving process is gone
-        self._decoder = msgspec.json.Decoder(CallRecord)
+        self._decoder = msgspec.json.Decoder(LoggedCall)
         self._pending: deque[_Entry] = deque()
         self._piped_held: list[_Entry] = []  # piped calls that wait for the database (they are in no log)
         self._seen = self.tail.position  # every line before it has been read (and counted) once
@@ -518,6 +519,10 @@ async def _main() -> None:
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
     lock = await asyncio.to_thread(_lock, Path(config.log_dir))
     writer = CaptureWriter(config, channel, Database(config.database_url))
+    # What is alive now lives as long as the process: out of the collector's reach, a collection walks only
+    # the calls in hand (measured: a fifth less CPU per row).
+    gc.collect()
+    gc.freeze()
     listener = asyncio.create_task(writer.listen(commands))
     try:
         await writer.run()
