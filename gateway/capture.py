@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 _ROTATE_S = 1.0
 # How long the writer may take to exit past its own drain timeout before it is killed.
 _EXIT_GRACE_S = 5.0
+# The writer must run this very code (the log's format and the pipe's messages are shared): the directory this
+# package was imported from goes first on its path, whatever the working directory is.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The spool file of earlier versions, which held calls while the database was down: stored like a leftover.
 _LEGACY_SPOOL = "calls.jsonl"
 
@@ -351,12 +354,14 @@ class CaptureSink:
         )
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
         self.writer = WriterStatus()
+        path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "gateway.capture_writer",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))},
             limit=LINE_LIMIT,
         )
         assert process.stdin is not None and process.stdout is not None
