@@ -300,9 +300,13 @@ class CaptureSink:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the writer and let it store what an earlier process left (before serving)."""
-        await self._spawn(self.wal.open())
-        await self._wait_ready()
+        """Start the writer; when an earlier process left calls in the log, wait until they are stored (before
+        serving). Otherwise serving need not wait for the writer's start-up (a second or more of imports on a
+        busy machine): calls wait in the log meanwhile."""
+        live_from = self.wal.open()
+        await self._spawn(live_from)
+        if any(segment < live_from for segment in segment_numbers(self.wal.directory)):
+            await self._wait_ready()
         self._supervisor = asyncio.create_task(self._supervise(), name="capture-writer-supervisor")
         self._ticker = asyncio.create_task(self._tick(), name="capture-log-tick")
 
