@@ -59,8 +59,10 @@ log = logging.getLogger(__name__)
 
 # The active segment is closed this often (if it holds anything), so the writer can delete committed calls.
 _ROTATE_S = 1.0
-# How long the writer may take to exit past its own drain timeout before it is killed.
+# How long the writer may take to exit past its own drain timeout before it is killed, and to report that it is
+# up (a drain is timed from then: its imports take seconds on a busy machine).
 _EXIT_GRACE_S = 5.0
+_START_TIMEOUT_S = 60.0
 # The writer must run this very code (the log's format and the pipe's messages are shared): the directory this
 # package was imported from goes first on its path, whatever the working directory is.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -255,6 +257,7 @@ class CaptureSink:
         self._supervisor: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._closing = False
+        self._writer_up = asyncio.Event()  # the running writer has reported (its imports are done)
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(WriterMessage)
 
@@ -328,6 +331,8 @@ class CaptureSink:
             )
             return
         assert process.stdin is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._writer_up.wait(), _START_TIMEOUT_S)
         process.stdin.write(DRAIN)
         with contextlib.suppress(ConnectionError):
             await process.stdin.drain()
@@ -358,6 +363,7 @@ class CaptureSink:
         )
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
         self.writer = WriterStatus()
+        self._writer_up = asyncio.Event()
         path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -381,6 +387,7 @@ class CaptureSink:
             except msgspec.DecodeError:
                 log.warning("unexpected output from the capture writer: %r", line[:200])
                 continue
+            self._writer_up.set()
             if isinstance(message, WriterLog):
                 logging.getLogger(message.name).log(message.level, "%s", message.message)
             else:

@@ -525,6 +525,7 @@ async def _main() -> None:
     handler = _ChannelHandler(channel)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the serving process adds time, level and name
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
+    channel.send(WriterStatus())  # up: imports done (seconds on a busy machine), so its drain can be timed
     lock = await asyncio.to_thread(_lock, Path(config.log_dir))
     writer = CaptureWriter(config, channel, Database(config.database_url))
     # What is alive now lives as long as the process: out of the collector's reach, a collection walks only

@@ -10,6 +10,7 @@ import sqlite3
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gateway.capture import CaptureSink, WriteAheadLog
@@ -19,6 +20,7 @@ from storage.database import Database
 from storage.records import CallRecord
 from storage.schema import upgrade_database_sync
 from tests.support.polling import wait_until_async
+from tests.support.postgres import free_port
 
 
 def record(n: int, client_id: str | None = None) -> CallRecord:
@@ -240,3 +242,43 @@ def test_a_call_the_log_cannot_take_still_reaches_the_database(tmp_path: Path, d
 
     asyncio.run(run())
     assert stored_ids(database_path) == ["call-1"]
+
+
+def test_a_spool_file_of_an_earlier_version_is_stored(tmp_path: Path, database_path: Path) -> None:
+    spool = (
+        tmp_path / "spool" / "calls.jsonl"
+    )  # where calls waited for the database before the log was the spool
+    spool.parent.mkdir(parents=True)
+    spool.write_bytes(b"".join(msgspec.json.encode(record(n)) + b"\n" for n in range(3)))
+
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path)
+        await sink.start()
+        assert sink.snapshot()["recovered"] == 3
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
+    assert not spool.exists() and segment_numbers(tmp_path / "spool" / "log") == []
+
+
+def test_a_drain_past_its_timeout_leaves_the_rest_for_the_next_start(
+    tmp_path: Path, database_path: Path
+) -> None:
+    async def run() -> None:
+        # Nothing listens on this port: the database is unreachable through the whole drain.
+        unreachable = f"postgresql+asyncpg://kaizen@127.0.0.1:{free_port()}/kaizen"
+        sink = CaptureSink(unreachable, tmp_path / "spool" / "log", flush_ms=1.0, drain_timeout_s=0.5)
+        await sink.start()
+        for n in range(4):
+            sink.submit(record(n))
+        await sink.stop()
+        assert sink.snapshot()["spooled"] == 4
+        assert segment_numbers(tmp_path / "spool" / "log") != []  # the calls wait in the log
+        after = make_sink(tmp_path, database_path)
+        await after.start()
+        assert after.snapshot()["recovered"] == 4
+        await after.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == [f"call-{n}" for n in range(4)]
