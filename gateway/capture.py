@@ -411,6 +411,7 @@ class CaptureSink:
             log.error("the capture writer exited with status %s; restarting it in %g s", status, self.retry_s)
             for name in ("written", "spooled", "replayed", "recovered", "dropped"):
                 setattr(self._earlier, name, getattr(self._earlier, name) + getattr(self.writer, name))
+            self.writer = WriterStatus()
             await asyncio.sleep(self.retry_s)
             self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
             await self._spawn(self.wal.segment)

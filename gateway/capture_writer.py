@@ -276,6 +276,7 @@ class CaptureWriter:
         self._piped_held: list[_Entry] = []  # piped calls that wait for the database (they are in no log)
         self._seen = self.tail.position  # every line before it has been read (and counted) once
         self._replay_from: Position | None = None  # the first call not stored when the database went away
+        self._outage_at: Position = (-1, 0)  # how far the log was read when it last went away
         self._kept = self.tail.position[0]  # the oldest segment not deleted yet
         self._write_s = 0.0  # how long recent batches took to write
         self._poll_s = _POLL_S
@@ -343,8 +344,10 @@ class CaptureWriter:
             try:
                 record = self._decoder.decode(line)
             except msgspec.DecodeError as exc:
+                if again and start < self._outage_at:
+                    continue  # read, and counted dropped, before that outage
                 if again:
-                    self._unhold(start[0] >= self.live_from, len(line) + 1)
+                    self._unhold(start[0] >= self.live_from, len(line) + 1)  # counted by the scan
                 self._count_dropped(live=start[0] >= self.live_from)
                 log.error("dropped an unreadable line of capture log segment %d: %s", start[0], exc)
                 continue
@@ -457,6 +460,7 @@ class CaptureWriter:
             log.warning("database unreachable; captured calls wait in the capture log: %s", exc)
         self.status.database_up = False
         self._next_retry = time.monotonic() + self.retry_s
+        self._outage_at = self.tail.position
         entries = [*batch, *self._pending]
         self._pending.clear()
         logged = [entry.start for entry in entries if entry.start is not None]

@@ -6,15 +6,25 @@ written, and a writer that dies or a log that cannot be written loses nothing.""
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from gateway.capture import CaptureSink, WriteAheadLog
-from gateway.capture_writer import LogTail, segment_numbers, segment_path
+from gateway.capture_writer import (
+    CaptureWriter,
+    Channel,
+    LogTail,
+    WriterConfig,
+    segment_numbers,
+    segment_path,
+)
 from storage.calls import write_calls
 from storage.database import Database
 from storage.records import CallRecord
@@ -282,3 +292,55 @@ def test_a_drain_past_its_timeout_leaves_the_rest_for_the_next_start(
 
     asyncio.run(run())
     assert stored_ids(database_path) == [f"call-{n}" for n in range(4)]
+
+
+def test_calls_wait_in_the_log_while_the_database_is_down_and_are_counted_once(
+    tmp_path: Path, database_path: Path
+) -> None:
+    wal = WriteAheadLog(tmp_path / "log", segment_bytes=1 << 20)
+    live = wal.open()
+    wal.append(record(0))
+    with segment_path(wal.directory, live).open("ab") as handle:
+        handle.write(b'{"not": "a call"}\n')  # dropped once, however often the log is read again
+    wal.append(record(1))
+
+    async def run() -> None:
+        unreachable = Database(f"postgresql+asyncpg://kaizen@127.0.0.1:{free_port()}/kaizen")
+        config = WriterConfig(
+            database_url="",
+            log_dir=str(wal.directory),
+            live_from=live,
+            batch_size=500,
+            flush_ms=1.0,
+            retry_s=0.05,
+            drain_timeout_s=30.0,
+            log_level=logging.WARNING,
+        )
+        writer = CaptureWriter(config, Channel(io.BytesIO()), unreachable)
+        running = asyncio.create_task(writer.run())
+
+        def counted(spooled: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return writer.status.spooled == spooled and not writer.status.database_up
+
+            return check
+
+        await wait_until_async(counted(2), "the two calls held for the database", timeout_s=30)
+        wal.append(record(2))  # answered during the outage: counted by reading ahead
+        await wait_until_async(counted(3), "the call answered during the outage", timeout_s=30)
+        writer.database = Database(f"sqlite+aiosqlite:///{database_path}")  # the database answers again
+
+        async def replayed() -> bool:
+            return writer.status.replayed == 3
+
+        await wait_until_async(replayed, "the held calls to be stored", timeout_s=30)
+        status = writer.status
+        assert (status.spooled, status.replayed, status.written, status.dropped) == (3, 3, 0, 1)
+        assert (status.held, status.spool_bytes, status.settled, status.database_up) == (0, 0, 4, True)
+        writer.orphaned = True
+        await running
+        await unreachable.dispose()
+        await writer.database.dispose()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
