@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
@@ -29,6 +29,9 @@ from trainer.gate import is_held_out
 from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
 from trainer.policy_config import PolicyConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
+
+if TYPE_CHECKING:
+    from trainer.grpo import ScoreReplies
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,26 @@ async def _load_trajectories(
         if trajectory is not None:
             trajectories.append(trajectory)
     return trajectories, since, until
+
+
+def _check_scorer(
+    scorer: ReplyScorer | None, groups: list[Group], loop: asyncio.AbstractEventLoop
+) -> ScoreReplies | None:
+    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th group's context, called
+    from the update's worker thread on the run's event loop. A scorer that fails leaves the replies unscored."""
+    if scorer is None:
+        return None
+
+    def score(index: int, replies: list[str]) -> list[float | None]:
+        first = groups[index].members[0]
+        future = asyncio.run_coroutine_threadsafe(scorer.score(first.context, replies, first.reply), loop)
+        try:
+            return future.result()
+        except Exception as exc:
+            logger.warning("scoring the collapse check's replies failed: %r", exc)
+            return [None] * len(replies)
+
+    return score
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
@@ -231,7 +254,8 @@ async def _train(
         return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds())
+    score = _check_scorer(request.scorer, groups, asyncio.get_running_loop())
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
 
     def update() -> Any:
         monitor.start()
@@ -258,8 +282,11 @@ async def _train(
         stopped_early=result.stopped_early,
         wall_s=time.perf_counter() - started,
     )
-    if "mean_kl" not in metrics and monitor.history and monitor.history[-1].get("kl_to_base") is not None:
-        metrics["kl_to_base"] = monitor.history[-1]["kl_to_base"]
+    last = monitor.history[-1] if monitor.history else {}
+    if "mean_kl" not in metrics and last.get("kl_to_base") is not None:
+        metrics["kl_to_base"] = last["kl_to_base"]
+    if last.get("kl_to_start") is not None:
+        metrics["kl_to_start"] = last["kl_to_start"]
     if result.stopped_early:
         error = "collapse guard stopped the run: " + "; ".join(result.problems)
         await finish("failed", metrics, error=error)
