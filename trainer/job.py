@@ -238,9 +238,9 @@ async def _train(
             sampler = LocalSampler(
                 model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
             )
-        groups = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
+        groups, resampling = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
     else:
-        groups = group_by_column(trajectories, cfg, report)
+        groups, resampling = group_by_column(trajectories, cfg, report), None
     samples = []
     for group in groups:
         for member, advantage in zip(group.members, group.advantages, strict=True):
@@ -248,6 +248,8 @@ async def _train(
             if sample is not None:
                 samples.append(sample)
     metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
+    if resampling is not None:
+        metrics["resample"] = resampling
     if not samples:
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
         await finish("skipped", metrics, error="no group with reward variance")
