@@ -171,12 +171,14 @@ def health_problems(
     if signals.repetition > bounds.max_repetition:
         problems.append(f"repetition {signals.repetition:.3f} > {bounds.max_repetition:.3f}")
     if baseline is not None:
-        limit = bounds.min_distinct_ratio * baseline.distinct_share
-        if signals.distinct_share < limit:
-            problems.append(
-                f"distinct_share {signals.distinct_share:.3f} < {limit:.3f} "
-                f"({bounds.min_distinct_ratio} × baseline {baseline.distinct_share:.3f})"
-            )
+        problems += _below(
+            "distinct_share",
+            signals.distinct_share,
+            bounds.min_distinct_ratio,
+            baseline.distinct_share,
+            "",
+            3,
+        )
     return problems
 
 
@@ -191,20 +193,24 @@ def movement_problems(
         problems.append(f"kl_to_base {signals.kl_to_base:.4f} > {bounds.max_kl_to_base:.4f} nats/token")
     if baseline is None:
         return problems
-    limit = bounds.min_length_ratio * baseline.mean_length
-    if signals.mean_length < limit:
-        problems.append(
-            f"mean_length {signals.mean_length:.1f} < {limit:.1f} chars "
-            f"({bounds.min_length_ratio} × baseline {baseline.mean_length:.1f})"
-        )
+    problems += _below(
+        "mean_length", signals.mean_length, bounds.min_length_ratio, baseline.mean_length, " chars", 1
+    )
     if signals.mean_entropy is not None and baseline.mean_entropy is not None:
-        limit = bounds.min_entropy_ratio * baseline.mean_entropy
-        if signals.mean_entropy < limit:
-            problems.append(
-                f"mean_entropy {signals.mean_entropy:.3f} < {limit:.3f} nats "
-                f"({bounds.min_entropy_ratio} × baseline {baseline.mean_entropy:.3f})"
-            )
+        problems += _below(
+            "mean_entropy", signals.mean_entropy, bounds.min_entropy_ratio, baseline.mean_entropy, " nats", 3
+        )
     return problems
+
+
+def _below(name: str, value: float, ratio: float, baseline: float, unit: str, digits: int) -> list[str]:
+    """The problem line when `value` fell below `ratio` times the baseline's, else nothing."""
+    limit = ratio * baseline
+    if value >= limit:
+        return []
+    return [
+        f"{name} {value:.{digits}f} < {limit:.{digits}f}{unit} ({ratio} × baseline {baseline:.{digits}f})"
+    ]
 
 
 def backed_by_reward(
