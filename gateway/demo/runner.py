@@ -199,6 +199,8 @@ def run_record(run: dict[str, Any]) -> dict[str, Any]:
         "resample": metrics.get("resample"),
         "kl_to_base": metrics.get("kl_to_base"),
         "kl_to_start": metrics.get("kl_to_start"),
+        # The collapse checks before the update and at the end: what the guard judged.
+        "collapse": [checks[0], checks[-1]] if (checks := metrics.get("collapse")) else None,
         "gate": {
             key: gate.get(key)
             for key in ("decision", "candidate_reward", "active_reward", "reasons", "waived")

@@ -190,6 +190,8 @@ def headline(side: dict[str, Any], target: float) -> dict[str, Any]:
 def write_chart(path: Path, sides: dict[str, dict[str, Any]], title: str, target: float) -> None:
     import matplotlib
 
+    from gateway.demo.report import save_chart
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -199,14 +201,7 @@ def write_chart(path: Path, sides: dict[str, dict[str, Any]], title: str, target
         axes.plot(minutes, [c["mean_reward"] for c in side["cycles"]], marker="o", color=colour, label=name)
     axes.axhline(target, color="tab:green", ls=":", lw=1, label=f"target {target}")
     axes.set_ylim(0, 1.05)
-    axes.set_xlabel("minutes of live traffic")
-    axes.set_ylabel("mean reward per cycle")
-    axes.set_title(title, fontsize=10)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left")
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_chart(figure, axes, path, title, ylabel="mean reward per cycle", legend="upper left")
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:

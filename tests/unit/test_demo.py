@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
-from gateway.demo.runner import DemoOptions, policy_config, summarise_run
+from gateway.demo.runner import DemoOptions, policy_config, run_record, summarise_run
 from gateway.demo.tasks import OPPOSITES, PAST_TENSE, TASKS, reward, score
 from gateway.demo.traffic import CallResult, served_version
 from trainer.policy_config import load_policy_config
@@ -144,3 +144,37 @@ def test_run_summary_checks_every_target(tmp_path: Path) -> None:
     )
     write_chart(tmp_path / "demo.png", cycles, "test")
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_training_run_is_kept_with_why_it_stopped_and_what_it_cost(tmp_path: Path) -> None:
+    stopped = {
+        "id": 7,
+        "status": "failed",
+        "from_version": 4,
+        "to_version": None,
+        "error": "collapse guard stopped the run: kl_to_start 0.9 > 0.5 nats/token",
+        "metrics": {
+            "groups": 12,
+            "samples": 140,
+            "kl_to_base": 1.2,
+            "kl_to_start": 0.9,
+            "resample": {"replies": 512, "groups_with_signal": 12},
+            "collapse": [{"step": 0}, {"step": 4}, {"step": 8}],
+        },
+    }
+    record = run_record(stopped)
+    assert record["error"].startswith("collapse guard") and record["gate"] is None
+    assert record["collapse"] == [{"step": 0}, {"step": 8}]  # the start and the end
+    assert record["resample"]["replies"] == 512 and record["kl_to_start"] == 0.9
+    gated = {
+        "id": 8,
+        "status": "rejected",
+        "to_version": 5,
+        "metrics": {"gate": {"decision": "reject", "x": 1}},
+    }
+    assert run_record(gated)["gate"] == {"decision": "reject"}
+
+    options = DemoOptions(tmp_path, tmp_path / "data", tmp_path, "smollm2-135m-instruct", task="past-tense")
+    summary = summarise_run([cycle(1, 0, 0.05), cycle(2, 1, 0.55)], options, [record])
+    assert summary["task"] == "past-tense" and summary["runs"] == [record]
+    assert summary["targets"]["reward_0.5_within_30_min"]
