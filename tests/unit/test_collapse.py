@@ -5,12 +5,12 @@ from trainer.collapse import (
     CollapseSignals,
     backed_by_reward,
     check,
-    health_problems,
-    movement_problems,
     distinct_share,
     empty_share,
+    health_problems,
     mean_length,
     measure,
+    movement_problems,
     repetition,
 )
 
