@@ -61,19 +61,32 @@ def unpack(ref: str, target: Path) -> str:
     return commit
 
 
+def tree_env(tree: Path) -> dict[str, str]:
+    """An environment whose Python imports Kaizen from `tree`. PYTHONSAFEPATH: `python -m` (the gateway and its
+    training child) would otherwise put the working directory, this checkout, first on the path."""
+    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+
+
 def demo_policy(tree: Path, base_model: str) -> dict[str, Any]:
     """The demo policy configuration of the code in `tree`, scoring with the task module's reward function."""
     script = (
         "import json, pathlib, sys\n"
+        "import gateway, trainer\n"
         "from gateway.demo.runner import DemoOptions, policy_config\n"
         "options = DemoOptions(None, pathlib.Path('d'), pathlib.Path('m'), sys.argv[1])\n"
-        "print(json.dumps(policy_config(options)))\n"
+        "print(json.dumps([gateway.__file__, trainer.__file__, policy_config(options)]))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
-        [sys.executable, "-c", script, base_model], env=env, check=True, capture_output=True, text=True
+        [sys.executable, "-c", script, base_model],
+        env=tree_env(tree),
+        check=True,
+        capture_output=True,
+        text=True,
     )
-    config: dict[str, Any] = json.loads(out.stdout)
+    *modules, found = json.loads(out.stdout)
+    config: dict[str, Any] = found
+    if not all(Path(module).is_relative_to(tree) for module in modules):
+        raise RuntimeError(f"the `before` side would import {modules}, not the code under {tree}")
     config.setdefault("rewards", {}).setdefault("scorer", {})["function"] = SCORER
     return config
 
@@ -157,7 +170,7 @@ async def run_side(side: str, args: argparse.Namespace, work: Path) -> dict[str,
         policy = await asyncio.to_thread(demo_policy, tree, settings.base_model)
         source = {"tree": f"git archive {commit[:12]} + {TASK_MODULE}", "commit": commit}
         # The other tree's gateway and trainer, with this install's vLLM environment.
-        env = {"PYTHONPATH": str(tree), "KAIZEN_VLLM_PYTHON": find_vllm_python(settings.vllm_python)}
+        env = {**tree_env(tree), "KAIZEN_VLLM_PYTHON": find_vllm_python(settings.vllm_python)}
         summary = await run_demo(options, policy=policy, gateway_env=env)
     demo = json.loads((work / side / "demo.json").read_text())
     return {"source": source, "summary": summary, "cycles": demo["cycles"]}
