@@ -93,16 +93,19 @@ async def _load_trajectories(
 
 
 def _check_scorer(
-    scorer: ReplyScorer | None, groups: list[Group], loop: asyncio.AbstractEventLoop
+    scorer: ReplyScorer | None,
+    originals: list[tuple[list[dict[str, Any]], dict[str, Any]]],
+    loop: asyncio.AbstractEventLoop,
 ) -> ScoreReplies | None:
-    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th group's context, called
-    from the update's worker thread on the run's event loop. A scorer that fails leaves the replies unscored."""
+    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th checked context (given
+    with a captured reply to it, which a relative judge needs), called from the update's worker thread on the
+    run's event loop. A scorer that fails leaves the replies unscored."""
     if scorer is None:
         return None
 
     def score(index: int, replies: list[str]) -> list[float | None]:
-        first = groups[index].members[0]
-        future = asyncio.run_coroutine_threadsafe(scorer.score(first.context, replies, first.reply), loop)
+        context, original = originals[index]
+        future = asyncio.run_coroutine_threadsafe(scorer.score(context, replies, original), loop)
         try:
             return future.result()
         except Exception as exc:
@@ -256,7 +259,8 @@ async def _train(
         return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    score = _check_scorer(request.scorer, groups, asyncio.get_running_loop())
+    originals = [(g.members[0].context, g.members[0].reply) for g in groups]
+    score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
     monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
 
     def update() -> Any:
