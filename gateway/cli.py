@@ -18,6 +18,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from gateway.dataset_commands import add_export_arguments, add_import_arguments
+from gateway.demo.tasks import TASKS
 from gateway.judge_command import add_judge_arguments
 from gateway.settings import Settings
 
@@ -395,6 +396,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rate=args.rate,
         concurrency=args.concurrency,
         seed=args.seed,
+        task=args.task,
     )
     summary = asyncio.run(run_demo(options))
     sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
@@ -525,6 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=0.5, help="Calls per second the simulated app sends.")
     demo.add_argument("--concurrency", type=int, default=8, help="Most calls the app has in flight at once.")
     demo.add_argument("--seed", type=int, default=0, help="Seeds the question order and training.")
+    demo.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="opposites",
+        help="What the simulated app asks (gateway/demo/tasks.py): `opposites`, which the base model gets "
+        "right now and then, or `past-tense`, where its successes are rare.",
+    )
     add_settings_flags(demo)
     demo.set_defaults(func=cmd_demo)
 

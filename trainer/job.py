@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
@@ -29,6 +29,9 @@ from trainer.gate import is_held_out
 from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
 from trainer.policy_config import PolicyConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
+
+if TYPE_CHECKING:
+    from trainer.grpo import ScoreReplies
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,29 @@ async def _load_trajectories(
         if trajectory is not None:
             trajectories.append(trajectory)
     return trajectories, since, until
+
+
+def _check_scorer(
+    scorer: ReplyScorer | None,
+    originals: list[tuple[list[dict[str, Any]], dict[str, Any]]],
+    loop: asyncio.AbstractEventLoop,
+) -> ScoreReplies | None:
+    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th checked context (given
+    with a captured reply to it, which a relative judge needs), called from the update's worker thread on the
+    run's event loop. A scorer that fails leaves the replies unscored."""
+    if scorer is None:
+        return None
+
+    def score(index: int, replies: list[str]) -> list[float | None]:
+        context, original = originals[index]
+        future = asyncio.run_coroutine_threadsafe(scorer.score(context, replies, original), loop)
+        try:
+            return future.result()
+        except Exception as exc:
+            logger.warning("scoring the collapse check's replies failed: %r", exc)
+            return [None] * len(replies)
+
+    return score
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
@@ -215,9 +241,9 @@ async def _train(
             sampler = LocalSampler(
                 model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
             )
-        groups = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
+        groups, resampling = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
     else:
-        groups = group_by_column(trajectories, cfg, report)
+        groups, resampling = group_by_column(trajectories, cfg, report), None
     samples = []
     for group in groups:
         for member, advantage in zip(group.members, group.advantages, strict=True):
@@ -225,13 +251,17 @@ async def _train(
             if sample is not None:
                 samples.append(sample)
     metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
+    if resampling is not None:
+        metrics["resample"] = resampling
     if not samples:
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
         await finish("skipped", metrics, error="no group with reward variance")
         return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds())
+    originals = [(g.members[0].context, g.members[0].reply) for g in groups]
+    score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
 
     def update() -> Any:
         monitor.start()
@@ -259,8 +289,11 @@ async def _train(
         stopped_early=result.stopped_early,
         wall_s=time.perf_counter() - started,
     )
-    if "mean_kl" not in metrics and monitor.history and monitor.history[-1].get("kl_to_base") is not None:
-        metrics["kl_to_base"] = monitor.history[-1]["kl_to_base"]
+    last = monitor.history[-1] if monitor.history else {}
+    if "mean_kl" not in metrics and last.get("kl_to_base") is not None:
+        metrics["kl_to_base"] = last["kl_to_base"]
+    if last.get("kl_to_start") is not None:
+        metrics["kl_to_start"] = last["kl_to_start"]
     if result.stopped_early:
         error = "collapse guard stopped the run: " + "; ".join(result.problems)
         await finish("failed", metrics, error=error)

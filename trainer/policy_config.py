@@ -187,7 +187,9 @@ class TrainConfig(_Section):
     )
     group_size: int = Field(8, ge=2, description="k: attempts per group; `resample` samples k-1 new replies.")
     min_group_size: int = Field(2, ge=2, description="Smaller `key`/`prompt` groups are dropped.")
-    max_episodes: int = Field(512, ge=1, description="Cap on selected episodes (the newest win).")
+    max_episodes: int = Field(
+        512, ge=1, description="Cap on selected episodes (the newest win); `resample_budget` caps the cost."
+    )
     min_rewards: int = Field(0, ge=0, description="Episodes with fewer reward rows are left out.")
     tags: list[str] = Field(default_factory=list, description="Only episodes carrying all these tags.")
     metadata: dict[str, Any] = Field(
@@ -206,7 +208,19 @@ class TrainConfig(_Section):
     resample_concurrency: int = Field(
         8,
         ge=1,
-        description="Trajectories resampled and scored at once through the engine (the local sampler: 1).",
+        description="Contexts resampled and scored at once through the engine (the local sampler: 1).",
+    )
+    resample_budget: int = Field(
+        512,
+        ge=0,
+        description="Most replies one `resample` run draws, over every context and round: first each context "
+        "is topped up to `group_size`, then groups without reward variance get more.",
+    )
+    resample_max_group_size: int = Field(
+        32,
+        ge=2,
+        description="A context whose replies all scored the same is resampled up to this many replies, "
+        "`group_size` at a time (at most `group_size` when smaller).",
     )
 
     # --- LoRA

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 from openai import AsyncOpenAI
 
-from gateway.demo.task import Question, reward
+from gateway.demo.tasks import Question, reward
 from gateway.signing import HEADER, sign
 
 logger = logging.getLogger(__name__)
