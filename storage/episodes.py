@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import DEFAULT_PROJECT, Call, Episode, Reward
+from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC, Call, Episode, Reward
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Trajectory:
     policy: str | None = None
     group_key: str | None = None
     project: str = DEFAULT_PROJECT
+    #: `traffic`, or the tool that sent or wrote the episode (`bootstrap`, `import`).
+    source: str = EPISODE_SOURCE_TRAFFIC
     context_hash: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tags: list[Any] = field(default_factory=list)
@@ -122,6 +124,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
             policy=episode.policy,
             group_key=episode.group_key,
             project=episode.project,
+            source=episode.source,
             context_hash=rows[0].context_hash if rows else None,
             metadata=dict(episode.meta or {}),
             tags=list(episode.tags or []),

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from storage.models import DEFAULT_PROJECT
+from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC
 
 
 class CallRecord(msgspec.Struct, kw_only=True):
@@ -45,4 +45,5 @@ class CallRecord(msgspec.Struct, kw_only=True):
     episode_metadata: dict[str, Any] = {}
     key_id: str | None = None  # the API key that sent it
     project: str = DEFAULT_PROJECT  # its key's project: a new episode belongs to it
+    source: str = EPISODE_SOURCE_TRAFFIC  # what sent it (`X-Kaizen-Source`): a new episode records it
     created_at: float
