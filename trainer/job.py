@@ -163,15 +163,9 @@ async def _train(
 ) -> TrainOutcome:
     import torch
 
-    from trainer.grpo import CollapseMonitor, run_update
+    from trainer.grpo import CollapseMonitor
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
-    from trainer.sft import (
-        PhaseMetrics,
-        demonstration_samples,
-        load_vouched,
-        plan_phases,
-        select_demonstrations,
-    )
+    from trainer.sft import demonstrations, load_vouched, plan_phases, run_phases
     from trainer.tokens import tokenize
 
     cfg = config.train
@@ -243,21 +237,14 @@ async def _train(
             sample = tokenize(member, advantage, tokenizer, cfg, report)
             if sample is not None:
                 samples.append(sample)
-    demonstrations = []
-    demonstrated: list[tuple[list[dict[str, Any]], list[Any] | None]] = []
-    if cfg.mode != "grpo":
-        chosen = select_demonstrations(
-            [*trajectories, *vouched, *(m for g in groups for m in g.members[1:])], cfg, report
-        )
-        demonstrations = demonstration_samples(chosen, tokenizer, cfg, report)
-        demonstrated = [(e.context, e.tools) for e in chosen]
+    demos, demonstrated = demonstrations(cfg, [*trajectories, *vouched], groups, tokenizer, report)
     metrics: dict[str, Any] = {
         **group_stats(groups),
         "samples": len(samples),
         "mode": cfg.mode,
-        "demonstrations": len(demonstrations),
+        "demonstrations": len(demos),
     }
-    phases = plan_phases(cfg, samples, demonstrations)
+    phases = plan_phases(cfg, samples, demos)
     if not phases:
         reason = {
             "grpo": "no group with reward variance",
@@ -274,35 +261,9 @@ async def _train(
 
     def update() -> Any:
         monitor.start()
-        merged = PhaseMetrics()
-        done = 0
-        for phase in phases:
-            logger.info("%s phase: %d samples", phase.name, len(phase.samples))
-
-            def check(step: int, offset: int = done) -> list[str]:
-                return monitor(offset + step)
-
-            result = run_update(
-                model,
-                phase.samples,
-                phase.cfg,
-                pad_id=int(tokenizer.pad_token_id),
-                device=device,
-                collapse_check=check,
-                stop=stop,
-                sft_weight=phase.sft_weight,
-            )
-            done += result.steps
-            merged.add(phase.name, result.metrics)
-            if result.stopped_early:
-                break
-        if not result.stopped_early:
-            problems = monitor(done)
-            if problems:
-                result.stopped_early, result.problems = True, problems
-        result.steps = done
-        result.metrics = merged.merged()
-        return result
+        return run_phases(
+            model, phases, monitor, pad_id=int(tokenizer.pad_token_id), device=device, stop=stop
+        )
 
     result = await asyncio.to_thread(update)
     metrics.update(result.metrics)
@@ -346,7 +307,7 @@ async def _train(
         target,
         metrics["groups"],
         len(samples),
-        len(demonstrations),
+        len(demos),
         metrics["tokens_per_s"],
         metrics["wall_s"],
     )

@@ -18,18 +18,28 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.training import episode_calls, unrewarded_episodes
 from trainer.batch import TokenizedSample
 from trainer.dataset import DataReport, TrainingExample, build_example
+from trainer.grpo import CollapseMonitor, UpdateResult, run_update
 from trainer.policy_config import TrainConfig
 from trainer.tokens import tokenize
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.grouping import Group
+
+#: A context and its tools, as the collapse checks sample them.
+Context = tuple[list[dict[str, Any]], list[Any] | None]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +133,22 @@ def demonstration_samples(
     return samples
 
 
+def demonstrations(
+    cfg: TrainConfig,
+    examples: Sequence[TrainingExample],
+    groups: Sequence[Group],
+    tokenizer: Any,
+    report: DataReport,
+) -> tuple[list[TokenizedSample], list[Context]]:
+    """The run's demonstration samples and their contexts: none in `grpo` mode; otherwise chosen among the
+    selected (and vouched-for) trajectories and the groups' resampled replies."""
+    if cfg.mode == "grpo":
+        return [], []
+    resampled = [m for g in groups for m in g.members[1:]]
+    chosen = select_demonstrations([*examples, *resampled], cfg, report)
+    return demonstration_samples(chosen, tokenizer, cfg, report), [(e.context, e.tools) for e in chosen]
+
+
 @dataclass(frozen=True)
 class Phase:
     """One call of the update loop: its samples, the configuration it runs with and the SFT term's weight."""
@@ -173,3 +199,46 @@ class PhaseMetrics:
         if len(self.phases) > 1:
             total["phases"] = self.phases
         return total
+
+
+def run_phases(
+    model: Any,
+    phases: Sequence[Phase],
+    monitor: CollapseMonitor,
+    *,
+    pad_id: int,
+    device: torch.device,
+    stop: threading.Event,
+) -> UpdateResult:
+    """Run the phases in order under one collapse monitor (its steps counted across phases); a phase that stops
+    early stops the run, and the final check follows the last phase."""
+    merged = PhaseMetrics()
+    done = 0
+    result = UpdateResult()
+    for phase in phases:
+        logger.info("%s phase: %d samples", phase.name, len(phase.samples))
+
+        def check(step: int, offset: int = done) -> list[str]:
+            return monitor(offset + step)
+
+        result = run_update(
+            model,
+            phase.samples,
+            phase.cfg,
+            pad_id=pad_id,
+            device=device,
+            collapse_check=check,
+            stop=stop,
+            sft_weight=phase.sft_weight,
+        )
+        done += result.steps
+        merged.add(phase.name, result.metrics)
+        if result.stopped_early:
+            break
+    if not result.stopped_early:
+        problems = monitor(done)
+        if problems:
+            result.stopped_early, result.problems = True, problems
+    result.steps = done
+    result.metrics = merged.merged()
+    return result
