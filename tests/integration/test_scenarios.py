@@ -64,7 +64,7 @@ def test_scenarios_are_written_in_batches_and_repeats_are_dropped(writer: Script
     ]
     assert (written.requests, written.duplicates) == (3, 1)
     assert progress == [(2, 4), (3, 4), (4, 4)]
-    first, second, third = writer.requests
+    first, _, third = writer.requests
     assert [r["model"] for r in writer.requests] == ["writer-model"] * 3
     assert first["temperature"] == 1.0
     assert first["response_format"]["json_schema"]["schema"]["properties"]["scenarios"]["maxItems"] == 2
