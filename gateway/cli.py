@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from gateway.bootstrap_command import add_bootstrap_arguments
 from gateway.dataset_commands import add_export_arguments, add_import_arguments
 from gateway.demo.tasks import TASKS
 from gateway.judge_command import add_judge_arguments
@@ -251,6 +252,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     models_dir = settings.data_dir / "models"
     outcome = asyncio.run(train_policy(inputs, lambda name: resolve_base_model(name, models_dir)))
     return 0 if outcome.status == "succeeded" else NO_CANDIDATE
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """Cold start: scenarios written for a task, attempted through the gateway, scored and trained on."""
+    from gateway.bootstrap_command import run_bootstrap
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    for chatty in ("httpx", "openai", "LiteLLM"):  # one line per request would bury the progress
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    return run_bootstrap(settings, args)
 
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:
@@ -499,6 +511,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="torch device (default: cuda when available, else cpu).")
     add_settings_flags(train)
     train.set_defaults(func=cmd_train)
+
+    bootstrap = commands.add_parser(
+        "bootstrap",
+        help="Cold start a policy without traffic: a model writes scenarios for --task, the policy attempts "
+        "each through the gateway (episodes of source `bootstrap`), its scorer scores them, and it trains.",
+    )
+    add_bootstrap_arguments(bootstrap)
+    add_settings_flags(bootstrap)
+    bootstrap.set_defaults(func=cmd_bootstrap)
 
     worker = commands.add_parser(
         "worker", help="Run the policies' scheduled jobs (judge, train, retention) without serving."

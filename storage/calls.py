@@ -203,6 +203,7 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
                 "policy": r.policy,
                 "group_key": r.group_key,
                 "project": r.project,
+                "source": r.source,
                 "metadata": r.episode_metadata,
                 "tags": [],
                 "created_at": ts,

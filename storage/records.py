@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import msgspec
 
-from storage.models import DEFAULT_PROJECT
+from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC
 
 
 class ResponseRecord(msgspec.Struct, kw_only=True):
@@ -55,6 +55,7 @@ class CallRecord(msgspec.Struct, kw_only=True):
     episode_metadata: dict[str, Any] = {}
     key_id: str | None = None  # the API key that sent it
     project: str = DEFAULT_PROJECT  # its key's project: a new episode belongs to it
+    source: str = EPISODE_SOURCE_TRAFFIC  # what sent it (`X-Kaizen-Source`): a new episode records it
     created_at: float
     stored_response: ResponseRecord | None = None  # written to `responses` in the call's transaction
 

@@ -1,5 +1,7 @@
 """The GRPO update: micro-batched forward/backward of ``trainer.loss.policy_loss`` with gradient accumulation,
-progress logging, and collapse checks that stop the run early.
+progress logging, and collapse checks that stop the run early. Demonstration samples (``demonstration=True``)
+are trained with ``trainer.loss.sft_loss`` in the same loop, alone (an SFT run or phase) or mixed into GRPO
+steps.
 
 π_old of a sample is the policy when the sample is first visited: in the first epoch the ratio is exactly 1
 (one step per batch, as in GRPO with one iteration); later epochs reuse the first pass's logprobs, so the PPO/CISPO
@@ -28,7 +30,7 @@ from trainer.collapse import (
     measure,
     movement_problems,
 )
-from trainer.loss import policy_loss
+from trainer.loss import policy_loss, sft_loss
 from trainer.model import LocalSampler, autocast
 from trainer.policy_config import TrainConfig
 
@@ -101,8 +103,12 @@ def run_update(
     device: torch.device,
     collapse_check: CollapseCheck | None = None,
     stop: threading.Event | None = None,
+    sft_weight: float = 1.0,
 ) -> UpdateResult:
-    """Optimise the adapter on `samples`; stops early when `collapse_check` reports violated bounds."""
+    """Optimise the adapter on `samples`; stops early when `collapse_check` reports violated bounds.
+
+    Demonstration samples carry the SFT loss times `sft_weight`; the others the policy loss. Both share one
+    token-level mean per optimizer step."""
     if not samples:
         raise ValueError("no samples to train on")
     torch.manual_seed(cfg.seed)
@@ -114,6 +120,8 @@ def run_update(
     old: dict[int, Tensor] = {}
     sums: dict[str, float] = {}
     loss_tokens = 0
+    sft_tokens = 0
+    sft_nll = 0.0
     seen_tokens = 0
     started = time.perf_counter()
     total_steps = math.ceil(len(samples) / (cfg.micro_batch_size * cfg.grad_accumulation)) * cfg.epochs
@@ -141,12 +149,14 @@ def run_update(
                 if cfg.kl_coef > 0:
                     with torch.no_grad(), model.disable_adapter():
                         ref = _forward_logprobs(model, batch, device, start)
+                mask = batch.loss_mask[:, start:]
+                imitate = batch.demonstrations.unsqueeze(-1)
                 out = policy_loss(
                     logprobs,
                     old_lp,
                     batch.behaviour_logprobs[:, start:],
                     batch.advantages,
-                    batch.loss_mask[:, start:],
+                    mask & ~imitate,
                     mode=cfg.loss_mode,
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
@@ -155,11 +165,17 @@ def run_update(
                     kl_coef=cfg.kl_coef,
                     normaliser=normaliser,
                 )
-                out.loss.backward()  # type: ignore[no-untyped-call]
+                loss = out.loss
+                if bool(batch.demonstrations.any()):
+                    sft = sft_loss(logprobs, mask & imitate, weight=sft_weight, normaliser=normaliser)
+                    loss = loss + sft.loss
+                    sft_tokens += sft.num_tokens
+                    sft_nll += float(sft.mean_nll) * sft.num_tokens
+                loss.backward()  # type: ignore[no-untyped-call]
                 n = out.num_tokens
                 loss_tokens += n
                 seen_tokens += int(batch.attention_mask.sum())
-                for name, value in out.metrics().items():
+                for name, value in out.metrics().items() if n else ():
                     if name == "loss":
                         sums["loss"] = sums.get("loss", 0.0) + value * normaliser
                         step_loss += value  # each micro-batch's loss is already over the step's tokens
@@ -172,10 +188,11 @@ def run_update(
             result.history.append({"step": result.steps, "loss": step_loss, "grad_norm": float(grad_norm)})
             elapsed = time.perf_counter() - started
             logger.info(
-                "step %d/%d  loss %.4f  grad_norm %.3f  tokens/s %.0f",
+                "step %d/%d %s%s  grad_norm %.3f  tokens/s %.0f",
                 result.steps,
                 total_steps,
-                sums.get("loss", 0.0) / max(loss_tokens, 1),
+                f" loss {sums.get('loss', 0.0) / loss_tokens:.4f}" if loss_tokens else "",
+                f"  sft_nll {sft_nll / sft_tokens:.4f}" if sft_tokens else "",
                 float(grad_norm),
                 seen_tokens / max(elapsed, 1e-9),
             )
@@ -202,6 +219,8 @@ def run_update(
         "tokens_per_s": seen_tokens / max(elapsed, 1e-9),
         **{name: value / max(loss_tokens, 1) for name, value in sums.items()},
     }
+    if sft_tokens:
+        result.metrics.update(sft_tokens=float(sft_tokens), sft_nll=sft_nll / sft_tokens)
     return result
 
 

@@ -1,4 +1,5 @@
-"""One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO ▶ adapter N+1.
+"""One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO (or SFT, `trainer.sft`)
+▶ adapter N+1.
 
 This is what ``kaizen train`` runs, in its own process. The policy's job lock (``storage.locks``) keeps it apart
 from every other job of the policy across processes and machines; a heartbeat renews it, and a crashed run's lock
@@ -123,7 +124,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
         raise ValueError(f"unknown policy {request.policy!r}")
     config = load_policy_config(policy.config, train_overrides=request.overrides)
     cfg = config.train
-    if cfg.grouping == "resample" and request.scorer is None:
+    if cfg.grouping == "resample" and cfg.mode != "sft" and request.scorer is None:
         raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
     # The scheduler's training child runs under the lock of the job that started it.
     inherited = os.environ.get(OWNER_ENV)
@@ -140,7 +141,13 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
         async with db.session() as session:
             run_id = await start_run(session, policy.id, policy.active_version, cfg.model_dump(mode="json"))
             await session.commit()
-        logger.info("training run %d of policy %s started (grouping %s)", run_id, policy.name, cfg.grouping)
+        logger.info(
+            "training run %d of policy %s started (mode %s, grouping %s)",
+            run_id,
+            policy.name,
+            cfg.mode,
+            cfg.grouping,
+        )
         tracker = Tracker()
         async with heartbeat(db, policy.name, owner, cfg.lock_ttl_s, on_lost=stop.set):
             try:
@@ -182,8 +189,9 @@ async def _train(
 ) -> TrainOutcome:
     import torch
 
-    from trainer.grpo import CollapseMonitor, run_update
+    from trainer.grpo import CollapseMonitor
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
+    from trainer.sft import demonstrations, load_vouched, plan_phases, run_phases
     from trainer.tokens import tokenize
 
     cfg = config.train
@@ -207,7 +215,10 @@ async def _train(
             )
             await session.commit()
 
-    if not trajectories:
+    vouched = []
+    if cfg.mode != "grpo":
+        vouched = await load_vouched(db, policy.name, cfg, since, until, report)
+    if not trajectories and not vouched:
         empty = {"data": report.as_dict(), "wall_s": time.perf_counter() - started}
         await finish("skipped", empty, error="no rewarded trajectories in the window")
         return TrainOutcome(run_id, "skipped", None, None, empty, "no rewarded trajectories in the window")
@@ -222,8 +233,10 @@ async def _train(
         load_policy, request.base_model_path, adapter_path, cfg, device
     )
 
-    groups: list[Group]
-    if cfg.grouping == "resample":
+    groups: list[Group] = []
+    if cfg.mode == "sft":
+        pass  # demonstrations only: no groups to form or resample
+    elif cfg.grouping == "resample":
         assert request.scorer is not None
         sampler: Sampler
         if request.sampler is not None:
@@ -250,35 +263,38 @@ async def _train(
             sample = tokenize(member, advantage, tokenizer, cfg, report)
             if sample is not None:
                 samples.append(sample)
-    metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
+    demos, demonstrated = demonstrations(cfg, [*trajectories, *vouched], groups, tokenizer, report)
+    metrics: dict[str, Any] = {
+        **group_stats(groups),
+        "samples": len(samples),
+        "mode": cfg.mode,
+        "demonstrations": len(demos),
+    }
     if resampling is not None:
         metrics["resample"] = resampling
-    if not samples:
+    phases = plan_phases(cfg, samples, demos)
+    if not phases:
+        reason = {
+            "grpo": "no group with reward variance",
+            "sft": f"no demonstrations (no reply reached sft_min_reward {cfg.sft_min_reward})",
+        }.get(cfg.mode, "no group with reward variance and no demonstrations")
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
-        await finish("skipped", metrics, error="no group with reward variance")
-        return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
+        await finish("skipped", metrics, error=reason)
+        return TrainOutcome(run_id, "skipped", None, None, metrics, reason)
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
     originals = [(g.members[0].context, g.members[0].reply) for g in groups]
+    if not contexts:  # an SFT-only run: the collapse checks sample the demonstrations' contexts
+        contexts = [(e.context, e.tools) for e in demonstrated]
+        originals = [(e.context, e.reply) for e in demonstrated]
     score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
     monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
 
     def update() -> Any:
         monitor.start()
-        result = run_update(
-            model,
-            samples,
-            cfg,
-            pad_id=int(tokenizer.pad_token_id),
-            device=device,
-            collapse_check=monitor,
-            stop=stop,
+        return run_phases(
+            model, phases, monitor, pad_id=int(tokenizer.pad_token_id), device=device, stop=stop
         )
-        if not result.stopped_early:
-            problems = monitor(result.steps)
-            if problems:
-                result.stopped_early, result.problems = True, problems
-        return result
 
     result = await asyncio.to_thread(update)
     metrics.update(result.metrics)
@@ -319,13 +335,14 @@ async def _train(
         )
         await session.commit()
     logger.info(
-        "run %d wrote %s@%d to %s (%d groups, %d samples, %.0f tokens/s, %.1f s)",
+        "run %d wrote %s@%d to %s (%d groups, %d samples, %d demonstrations, %.0f tokens/s, %.1f s)",
         run_id,
         policy.name,
         version,
         target,
         metrics["groups"],
         len(samples),
+        len(demos),
         metrics["tokens_per_s"],
         metrics["wall_s"],
     )

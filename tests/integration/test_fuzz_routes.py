@@ -196,8 +196,20 @@ ROUTES = [
     ),
     *[
         Route("POST", f"/admin/policies/{{name}}/{action}", ADMIN_KEY, params={"name": "nope"})
-        for action in ("rollback", "train", "judge", "retention", "pause", "resume")
+        for action in ("rollback", "judge", "retention", "pause", "resume")
     ],
+    Route(
+        "POST",
+        "/admin/policies/{name}/train",
+        ADMIN_KEY,
+        {"overrides": {"mode": "sft"}, "since": "2026-01-01T00:00:00Z"},
+        {
+            "overrides": ["x", [1], {"lerning_rate": 1}, {"mode": "dance"}],
+            "since": ["yesterday", 5, "2026-13-01"],
+            "unknown": [1],
+        },
+        params={"name": "nope"},
+    ),
     Route(
         "GET",
         "/admin/runs",

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
 from gateway.demo.runner import DemoOptions, policy_config, run_record, summarise_run
 from gateway.demo.tasks import OPPOSITES, PAST_TENSE, TASKS, reward, score
-from gateway.demo.traffic import CallResult, served_version
+from gateway.demo.traffic import CallResult, SimulatedApp, served_version
+from gateway.signing import HEADER
 from trainer.policy_config import load_policy_config
 
 QUESTIONS = TASKS["opposites"].questions()
@@ -178,3 +181,36 @@ def test_a_training_run_is_kept_with_why_it_stopped_and_what_it_cost(tmp_path: P
     summary = summarise_run([cycle(1, 0, 0.05), cycle(2, 1, 0.55)], options, [record])
     assert summary["task"] == "past-tense" and summary["runs"] == [record]
     assert summary["targets"]["reward_0.5_within_30_min"]
+
+
+def test_feedback_lost_on_the_way_is_resent_signed_anew_with_one_idempotency_key() -> None:
+    sent: list[httpx.Request] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if len(sent) == 1:
+            raise httpx.ReadError("connection closed by the server")
+        return httpx.Response(200, json={"items": []})
+
+    async def main() -> None:
+        app = SimulatedApp(
+            "http://gateway.test/v1",
+            "key",
+            "secret",
+            [],
+            model="demo",
+            rate=1,
+            concurrency=1,
+            max_tokens=8,
+            seed=0,
+        )
+        await app.http.aclose()
+        app.http = httpx.AsyncClient(transport=httpx.MockTransport(gateway))
+        await app._feedback("req-1", 1.0)
+        await app.close()
+
+    asyncio.run(main())
+    assert len(sent) == 2
+    first, second = (json.loads(r.content) for r in sent)
+    assert first == second and first["idempotency_key"] == "demo:req-1"
+    assert sent[0].headers[HEADER] != sent[1].headers[HEADER]  # a resend is not a replay
