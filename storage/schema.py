@@ -10,6 +10,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
@@ -22,6 +23,9 @@ def alembic_config(url: str) -> Config:
     config.set_main_option("sqlalchemy.url", url)
     return config
 
+#: The PostgreSQL advisory lock key that serialises schema upgrades ("kaizen" in ASCII).
+_MIGRATION_LOCK = 0x6B61697A656E
+
 
 async def upgrade_database(url: str, revision: str = "head") -> None:
     """Bring the database at `url` (an async SQLAlchemy URL) to `revision`."""
@@ -32,6 +36,9 @@ async def upgrade_database(url: str, revision: str = "head") -> None:
     engine = create_async_engine(url)
     try:
         async with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                # Replicas started together upgrade one database: one at a time, the others then find it current.
+                await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
 
             def _upgrade(sync_connection: object) -> None:
                 config = alembic_config(url)
