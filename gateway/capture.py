@@ -30,6 +30,7 @@ import msgspec
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from gateway.capture_directory import CaptureDirectory
 from storage.calls import write_calls
 from storage.database import Database
 from storage.records import CallRecord
@@ -295,6 +296,7 @@ class CaptureSink:
         self._store_thread: threading.Thread | None = None
         self._store_database: Database | None = None
         self._switch_interval_s: float | None = None  # the process's own, restored when the thread stops
+        self._directory: CaptureDirectory | None = None
 
     # ------------------------------------------------------------------ request path
     def submit(self, record: CallRecord) -> None:
@@ -333,6 +335,7 @@ class CaptureSink:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Replay what a killed process left in the log (before serving), then start the writer."""
+        self._claim_directory()
         self._start_store_thread()
         await self._recover()
         self._task = asyncio.create_task(self._run(), name="capture-writer")
@@ -373,6 +376,19 @@ class CaptureSink:
         self.wal.close()
         self.spool.close()
         await self._stop_store_thread()
+        if self._directory is not None:
+            self._directory.release()
+            self._directory = None
+
+    def _claim_directory(self) -> None:
+        """Take a capture directory no other live process uses (replicas may share the data directory)."""
+        root = self.spool.path.parent
+        self._directory = CaptureDirectory.claim(root)
+        if self._directory.path == root:
+            return
+        if self.wal.directory == root / "log":
+            self.wal = WriteAheadLog(self._directory.path / "log", self.wal.segment_bytes)
+        self.spool = Spool(self._directory.path / self.spool.path.name)
 
     # ------------------------------------------------------------------ the storing thread
     def _start_store_thread(self) -> None:
@@ -566,5 +582,6 @@ class CaptureSink:
             "log_unsettled": self.wal.unsettled,
             "log_bytes": self.wal.size_bytes(),
             "spool_bytes": self.spool.size_bytes(),
+            "directory": str(self.spool.path.parent),
             "database_up": self.database_up,
         }
