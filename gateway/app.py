@@ -134,6 +134,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         fsync_ms=settings.capture_fsync_ms,
         segment_bytes=settings.capture_segment_bytes,
         drain_timeout_s=settings.capture_drain_timeout_s,
+        stitch_grace_ms=settings.stitch_grace_ms,
     )
     chat = ChatService(
         engine,
@@ -142,6 +143,8 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         max_body_bytes=settings.max_body_bytes,
         max_n=settings.max_n,
         stitch_cache_size=settings.stitch_cache_size,
+        database=database,
+        stitch_lookup_wait_ms=settings.stitch_lookup_wait_ms,
     )
     keys = KeyRing(settings.api_keys, settings.admin_key)
     feedback = FeedbackService(

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -31,7 +31,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from gateway.capture_directory import CaptureDirectory
-from storage.calls import write_calls
+from storage.calls import resolve_stitched_episodes, write_calls
 from storage.database import Database
 from storage.records import CallRecord
 
@@ -270,6 +270,7 @@ class CaptureSink:
         fsync_ms: float = 1000.0,
         segment_bytes: int = 16 * 2**20,
         drain_timeout_s: float = 30.0,
+        stitch_grace_ms: float = 0.0,
     ) -> None:
         self.database = database
         self.spool = Spool(spool_path)
@@ -280,10 +281,15 @@ class CaptureSink:
         self.retry_s = retry_s
         self.fsync_s = fsync_ms / 1000
         self.drain_timeout_s = drain_timeout_s
+        self.stitch_grace_s = stitch_grace_ms / 1000
+        # Told about every batch once it is stored (the chat service settles its provisional stitch entries).
+        self.on_stored: Callable[[list[CallRecord]], None] | None = None
         self.database_up = True
         self.queue_size = queue_size
         # (record, log segment, monotonic time it was submitted): the oldest one's age decides when to write.
         self._queue: deque[tuple[CallRecord, int, float]] = deque()
+        # Follow-ups whose earlier turn is not in the database yet, retried with the next batches (`_hold_back`).
+        self._held: list[tuple[CallRecord, int, float]] = []
         self._wake = asyncio.Event()  # the queue went from empty to non-empty, or the sink is stopping
         self._full = asyncio.Event()  # a whole batch is waiting, or the sink is stopping
         self._closing = False
@@ -465,11 +471,11 @@ class CaptureSink:
     async def _run(self) -> None:
         while True:
             if not self._queue:
-                if self._closing:
+                if self._closing and not self._held:
                     return
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.retry_s)
+                    await asyncio.wait_for(self._wake.wait(), self.flush_s if self._held else self.retry_s)
             if 0 < len(self._queue) < self.batch_size and not self._closing:
                 # Collect until the oldest record is a flush window old (or a batch is full). The window counts
                 # from its submission, not from now: what arrived while the last batch was being written has
@@ -479,9 +485,16 @@ class CaptureSink:
                     self._full.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._full.wait(), wait_s)
-            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+            batch = self._held + [
+                self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))
+            ]
+            self._held = []
             records = [record for record, _, _ in batch]
+            held: set[int] = set()
             try:
+                if records:
+                    held = {id(record) for record in await self._hold_back(records)}
+                    records = [record for record in records if id(record) not in held]
                 if records:
                     await self._write_or_spool(records)
                 if self.spool.pending and time.monotonic() >= self._next_replay:
@@ -491,8 +504,10 @@ class CaptureSink:
                 self._spool(records)
             finally:
                 # Written, spooled or counted dropped: the log no longer needs these records.
-                self._settle(segment for _, segment, _ in batch)
-                self._unsettled -= len(batch)
+                self._held = [item for item in batch if id(item[0]) in held]
+                done = [item for item in batch if id(item[0]) not in held]
+                self._settle(segment for _, segment, _ in done)
+                self._unsettled -= len(done)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -505,6 +520,42 @@ class CaptureSink:
     def _settle(self, segments: Iterable[int]) -> None:
         self.wal.settle(s for s in segments if s >= 0)
 
+    async def _hold_back(self, records: list[CallRecord]) -> list[CallRecord]:
+        """The follow-ups of this batch to keep for a later one: their earlier turn is in no stored call yet,
+        and they are younger than the stitch grace period, so another replica may still be writing it.
+
+        Stitching them now would start a new episode for the rest of the conversation. Everything else is
+        settled here (one query, which `write_calls` then need not make). Not while shutting down or spooling.
+        """
+        if (
+            self.stitch_grace_s <= 0
+            or self._closing
+            or not self.database_up
+            or self.spool.pending
+            or all(r.episode_resolved or not r.stitch_lookup for r in records)
+        ):
+            return []
+        hold_after = time.time() - self.stitch_grace_s
+
+        async def resolve(database: Database) -> list[CallRecord]:
+            async with database.session() as session:
+                return await resolve_stitched_episodes(session, records, hold_after=hold_after)
+
+        try:
+            if self._store_database is None:
+                return await resolve(self.database)
+            return await self._on_store_loop(resolve(self._store_database))
+        except Exception as exc:  # the write that follows finds out whether the database is down
+            log.warning("could not look up earlier turns of a capture batch: %s", exc)
+            return []
+
+    def _stored(self, batch: list[CallRecord]) -> None:
+        if self.on_stored is not None:
+            try:
+                self.on_stored(batch)
+            except Exception:
+                log.exception("a listener of stored calls failed")
+
     async def _write_or_spool(self, batch: list[CallRecord], counter: str = "written") -> None:
         if self.spool.pending or not self.database_up:
             self._spool(batch)
@@ -514,6 +565,7 @@ class CaptureSink:
             self._spool(batch)
         else:
             setattr(self.stats, counter, getattr(self.stats, counter) + written)
+            self._stored(batch)
 
     async def _write(self, batch: list[CallRecord]) -> int | None:
         """Insert a batch; None when the database could not be reached (the caller spools it)."""
@@ -561,6 +613,7 @@ class CaptureSink:
             if written is None:
                 return  # still down; the whole file is replayed next time (writes are idempotent)
             self.stats.replayed += written
+            self._stored(batch)
         self.spool.clear()
 
     def _spool(self, records: list[CallRecord]) -> None:
@@ -579,6 +632,7 @@ class CaptureSink:
         return {
             **asdict(self.stats),
             "queue_depth": len(self._queue),
+            "stitch_held": len(self._held),
             "log_unsettled": self.wal.unsettled,
             "log_bytes": self.wal.size_bytes(),
             "spool_bytes": self.spool.size_bytes(),

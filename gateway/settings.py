@@ -291,6 +291,21 @@ class Settings(BaseSettings):
         "into `<data_dir>/redaction.key`.",
     )
 
+    # --- several replicas: gateways sharing one database, engines behind one gateway
+    stitch_lookup_wait_ms: float = Field(
+        50.0,
+        ge=0,
+        description="A follow-up turn whose earlier turn this gateway does not know (another replica answered "
+        "it) is looked up in the database while the engine answers; the answer then waits at most this long "
+        "for the lookup. 0: no lookup (the capture writer still links the call).",
+    )
+    stitch_grace_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="How long the capture writer holds a follow-up whose earlier turn is not in the database yet "
+        "(another replica may still be writing it) before storing it as the start of a new episode.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

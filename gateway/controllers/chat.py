@@ -13,7 +13,7 @@ from litestar.response import Stream
 from litestar.types import Receive
 
 from gateway.auth import principal_of, requires
-from gateway.chat import ChatService
+from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
 
@@ -28,27 +28,34 @@ class ChatController(Controller):
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers, principal_of(request))
         ctx.charge_tokens = token_meter(request.scope)
-        # x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
-        # client's own x-request-id is stored beside it and echoed as x-client-request-id.
-        # x-kaizen-model: what actually served the call (`policy@N` for a policy), so clients can tell versions apart.
-        headers = {
-            "x-request-id": ctx.call_id,
-            "x-episode-id": ctx.episode_id,
-            "x-kaizen-model": ctx.route.engine_model,
-        }
-        if ctx.client_request_id is not None:
-            headers["x-client-request-id"] = ctx.client_request_id
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)
                 return Stream(
-                    relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
+                    relay,
+                    media_type="text/event-stream",
+                    headers={**_headers(ctx), "cache-control": "no-cache"},
                 )
             reply = await _unless_disconnected(chat.complete(ctx), request.receive)
-            return Response(reply, media_type="application/json", headers=headers)
+            return Response(reply, media_type="application/json", headers=_headers(ctx))
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
-            exc.headers.update(headers)
+            exc.headers.update(_headers(ctx))
             raise
+
+
+def _headers(ctx: CallContext) -> dict[str, str]:
+    """x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
+    client's own x-request-id is stored beside it and echoed as x-client-request-id. x-episode-id: read once the
+    call ran, since a follow-up's episode may be found in the database meanwhile. x-kaizen-model: what actually
+    served the call (`policy@N` for a policy), so clients can tell versions apart."""
+    headers = {
+        "x-request-id": ctx.call_id,
+        "x-episode-id": ctx.episode_id,
+        "x-kaizen-model": ctx.route.engine_model,
+    }
+    if ctx.client_request_id is not None:
+        headers["x-client-request-id"] = ctx.client_request_id
+    return headers
 
 
 class ClientDisconnected(APIError):
