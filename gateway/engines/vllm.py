@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.engines.base import Engine, EngineCapabilities, EngineStream
 from gateway.engines.http import OpenAIHTTPClient
-from gateway.errors import EngineUnavailable
+from gateway.errors import EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,13 @@ class VLLMEngine(Engine):
 
     # ------------------------------------------------------------------ adapters
     async def _load(self, name: str, path: str) -> None:
-        await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        try:
+            await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except InvalidRequest as exc:
+            # Another gateway attached to this server loaded it (or this one, before it restarted): a version
+            # name is never reused for other weights, so what is loaded is what was asked for.
+            if "already been loaded" not in exc.message:
+                raise
 
     def loaded_adapters(self) -> list[str]:
         return list(self.adapters)
