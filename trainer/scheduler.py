@@ -53,11 +53,17 @@ from trainer.scoring import Scorer
 logger = logging.getLogger(__name__)
 
 JobKind = Literal["judge", "train", "retention"]
+#: The job lock of the retention of calls no policy owns ('/' cannot be in a policy's name).
+UNOWNED_RETENTION_LOCK = "/retention"
 JOB_KINDS: tuple[JobKind, ...] = ("judge", "train", "retention")
 
 
 class JobBusy(RuntimeError):
     """Another job of the policy holds its lock (in this process or another)."""
+
+
+class JobAlreadyRan(JobBusy):
+    """A run of this job started in the same slot of its schedule already (another replica's scheduler)."""
 
 
 @dataclass(frozen=True)
@@ -103,17 +109,23 @@ class JobRunner:
     async def start(self, policy: str, kind: JobKind, trigger: str = "manual") -> int:
         """Start a job in the background and return its run id once it has one; raises JobBusy or LookupError."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._execute(policy, kind, trigger, announced))
+        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: _forward_failure(t, announced))
         return await asyncio.shield(announced)
 
-    async def run(self, policy: str, kind: JobKind, trigger: str = "manual") -> RunInfo | None:
-        """Run a job to its end; None when another job of the policy holds the lock."""
+    async def run(
+        self, policy: str, kind: JobKind, trigger: str = "manual", slot_start: datetime | None = None
+    ) -> RunInfo | None:
+        """Run a job to its end; None when another job of the policy holds the lock, or when `slot_start` is
+        given and a run of this kind started at or after it (the slot's run happened elsewhere already)."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
-            run_id = await self._execute(policy, kind, trigger, announced)
+            run_id = await self._execute(policy, kind, trigger, announced, slot_start)
+        except JobAlreadyRan:
+            logger.info("%s job of %s skipped: it ran in this slot of its schedule already", kind, policy)
+            return None
         except JobBusy:
             logger.info("%s job of %s skipped: another job of the policy is running", kind, policy)
             return None
@@ -129,7 +141,14 @@ class JobRunner:
                 await task
 
     # ------------------------------------------------------------------ one job
-    async def _execute(self, name: str, kind: JobKind, trigger: str, announced: asyncio.Future[int]) -> int:
+    async def _execute(
+        self,
+        name: str,
+        kind: JobKind,
+        trigger: str,
+        announced: asyncio.Future[int],
+        slot_start: datetime | None,
+    ) -> int:
         def announce(run_id: int) -> None:
             if not announced.done():
                 announced.set_result(run_id)
@@ -144,6 +163,12 @@ class JobRunner:
             if not await acquire_lock(session, name, owner, kind, ttl):
                 raise JobBusy(f"a job of policy {name!r} is already running")
         try:
+            if slot_start is not None:
+                # Under the lock, so no other replica's run of this slot can start meanwhile.
+                async with self.database.session() as session:
+                    last = await last_run_at(session, policy.id, kind)
+                if last is not None and last >= slot_start:
+                    raise JobAlreadyRan(f"the {kind} job of {name!r} ran at {last.isoformat()}")
             jobs: dict[str, Callable[[PolicyInfo, str, Callable[[int], None]], Awaitable[int]]] = {
                 "judge": self._judge,
                 "train": functools.partial(self._train, owner=owner),
@@ -231,8 +256,20 @@ class JobRunner:
         return calls, episodes
 
     async def scheduled_prune(self) -> None:
-        """`prune_unowned_calls` on its cron: a failure is logged, the next run retries."""
+        """`prune_unowned_calls` on its cron, once per firing across every replica: the first scheduler to fire
+        takes a lock that it keeps until the next firing, so the others skip this one. A failure is logged, the
+        next firing retries."""
+        assert self.config.retention_cron is not None
+        now = _now()
+        following = parse_cron(self.config.retention_cron).get_next_fire_time(
+            None, now + timedelta(seconds=1)
+        )
+        hold_s = max((following - now).total_seconds() - 1.0, 1.0) if following is not None else 3600.0
         try:
+            async with self.database.session() as session:
+                if not await acquire_lock(session, UNOWNED_RETENTION_LOCK, lock_owner(), "retention", hold_s):
+                    logger.info("retention of calls no policy owns ran elsewhere for this firing")
+                    return
             await self.prune_unowned_calls()
         except Exception:
             logger.exception("retention of calls no policy owns failed")
@@ -435,12 +472,41 @@ def catch_up_time(last: datetime | None, now: datetime, interval_s: float) -> da
     return max(now, last + timedelta(seconds=interval_s))
 
 
-def cron_missed(expression: str, last: datetime | None, now: datetime) -> bool:
-    """True when the cron fired at least once between the last run and now (the process was down)."""
+def missed_fire_time(expression: str, last: datetime | None, now: datetime) -> datetime | None:
+    """The first time the cron fired after the last run, when that is before now (the process was down)."""
     if last is None:
-        return False
+        return None
     following = parse_cron(expression).get_next_fire_time(None, last + timedelta(seconds=1))
-    return following is not None and following <= now
+    return following if following is not None and following <= now else None
+
+
+def previous_fire_time(expression: str, now: datetime, lookback_s: float) -> datetime | None:
+    """The cron's latest firing at or before `now`, looking back at most `lookback_s`."""
+    trigger = parse_cron(expression)
+    latest = None
+    moment = trigger.get_next_fire_time(None, now - timedelta(seconds=lookback_s))
+    while moment is not None and moment <= now:
+        latest = moment
+        moment = trigger.get_next_fire_time(latest, latest + timedelta(seconds=1))
+    return latest
+
+
+def schedule_slot(config: ScheduleConfig, kind: JobKind, trigger: str, now: datetime) -> datetime | None:
+    """Since when a run of `kind` counts as this firing's run: every replica's scheduler fires each job, and
+    the first to take the policy's lock runs it; the others find a run started in the slot and skip.
+
+    An interval job's slot is the last half interval (replicas fire at their own phases), a cron job's starts
+    at the cron's latest firing. Threshold and manual runs have none (the threshold is re-counted).
+    """
+    if trigger == "interval" and kind == "judge" and config.judge_interval_s is not None:
+        return now - timedelta(seconds=config.judge_interval_s / 2)
+    if trigger in ("cron", "catch-up"):
+        cron = (
+            config.train_cron if kind == "train" else config.retention.cron if kind == "retention" else None
+        )
+        if cron is not None:
+            return previous_fire_time(cron, now, config.misfire_grace_s + 60)
+    return None
 
 
 class PolicyScheduler:
@@ -546,11 +612,12 @@ class PolicyScheduler:
             self._scheduler.add_job(
                 self.fire, parse_cron(cron), args=[policy, kind, "cron"], id=f"{policy}:{kind}", **common
             )
-            if cron_missed(cron, last[kind], now):
+            missed = missed_fire_time(cron, last[kind], now)
+            if missed is not None:
                 self._scheduler.add_job(
                     self.fire,
                     "date",
-                    args=[policy, kind, "catch-up"],
+                    args=[policy, kind, "catch-up", missed],
                     id=f"{policy}:{kind}:catch-up",
                     run_date=now,
                     **common,
@@ -566,14 +633,21 @@ class PolicyScheduler:
                 **common,
             )
 
-    async def fire(self, policy: str, kind: JobKind, trigger: str) -> None:
-        """A scheduled run: skipped when the policy was paused since the last sync or another job runs."""
+    async def fire(
+        self, policy: str, kind: JobKind, trigger: str, slot_start: datetime | None = None
+    ) -> None:
+        """A scheduled run: skipped when the policy was paused since the last sync, another job runs, or another
+        replica's scheduler ran this slot of the schedule already (`schedule_slot`)."""
         try:
             async with self.database.session() as session:
                 info = await get_policy(session, policy)
-            if info is None or load_policy_config(info.config).schedule.paused:
+            if info is None:
                 return
-            await self.runner.run(policy, kind, trigger)
+            config = load_policy_config(info.config).schedule
+            if config.paused:
+                return
+            slot = slot_start or schedule_slot(config, kind, trigger, _now())
+            await self.runner.run(policy, kind, trigger, slot)
         except Exception:
             logger.exception("scheduled %s job of %s failed", kind, policy)
 
