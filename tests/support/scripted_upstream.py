@@ -11,6 +11,10 @@ behaviour in the request itself and needs no mocks:
 - ``#garbage``: status 200 with a body that is not valid JSON (or SSE);
 - ``#hang``: never answers.
 
+Like vLLM started with ``--enable-lora``, it takes runtime adapters (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``, refusing a name loaded twice and a path that is not a directory) and lists them
+under ``/v1/models``, so gateways can serve policy versions through it; replies do not depend on the adapter.
+
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
 ``refusal``, ``stop_reason``/``token_ids`` fields, finish_reason on the last token's chunk, integer
@@ -38,6 +42,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal
 
@@ -464,13 +469,37 @@ class _Handlers:
             if quirks:
                 card |= {"root": name, "parent": None, "max_model_len": 4096, "permission": []}
             models.append(card)
-        self.models_body = _encode({"object": "list", "data": models})
+        self.model_cards = models
+        self.created = created
+        self.adapters: dict[str, str] = {}  # loaded adapter name -> path
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response()
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.models_body, headers=_JSON_HEADERS)
+        cards = self.model_cards + [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "kaizen-tests", "root": path}
+            for name, path in self.adapters.items()
+        ]
+        return web.Response(body=_encode({"object": "list", "data": cards}), headers=_JSON_HEADERS)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = _decode(await request.read())
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return self.error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.adapters:
+            return self.error(400, f"The lora adapter '{name}' has already been loaded.")
+        if not await asyncio.to_thread(Path(path).is_dir):
+            return self.error(404, f"Loading lora {name} failed: No adapter found for {path}")
+        self.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        name = _decode(await request.read()).get("lora_name")
+        if self.adapters.pop(name, None) is None:
+            return self.error(404, f"The lora adapter '{name}' cannot be found.")
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     def error(self, status: int, message: str) -> web.Response:
         headers = {**_JSON_HEADERS, "Retry-After": "1"} if status == 429 else _JSON_HEADERS
@@ -540,6 +569,8 @@ def build_app(*, vllm_quirks: bool = True, log: list[RecordedRequest] | None = N
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/v1/load_lora_adapter", handlers.load_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", handlers.unload_adapter)
     app.router.add_get("/health", handlers.health)
     return app
 
