@@ -86,9 +86,9 @@ def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerCo
     """`engine_url`: the /v1 URL of this process's vLLM engine. A separate worker has no engine: it uses
     `vllm_url`, or the configured `vllm_port` (with port 0 it cannot know the gateway's pick)."""
     if engine_url is None and settings.engine == "vllm":
-        if settings.vllm_url:
-            engine_url = settings.vllm_url
-        elif settings.vllm_port:
+        if len(settings.vllm_urls) == 1:
+            engine_url = settings.vllm_urls[0]
+        elif settings.vllm_port and settings.vllm_replicas == 1:
             engine_url = f"http://127.0.0.1:{settings.vllm_port}/v1"
     return RunnerConfig(
         data_dir=settings.data_dir,

@@ -60,12 +60,12 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
         settings = Settings.load(
             data_dir=tmp_path / f"data{len(started)}",
             database_url=database_url,
-            engine="upstream",
-            upstream_token_ids=True,
             port=0,
             # No background jobs unless a test asks for them; quick capture unless it asks otherwise; a test may
-            # point at its own upstream.
+            # point at its own upstream, or attach engine replicas as vLLM.
             **{
+                "engine": "upstream",
+                "upstream_token_ids": True,
                 "scheduler": False,
                 "capture_flush_ms": 5.0,
                 "capture_retry_s": 0.2,

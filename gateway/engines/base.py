@@ -53,6 +53,10 @@ class Engine(ABC):
     async def health(self) -> bool:
         """True when the engine answers; never raises."""
 
+    def snapshot(self) -> dict[str, Any]:
+        """What operators see at `GET /admin/engine`: the engine and, where it has several, its replicas."""
+        return {"engine": self.name}
+
     def loaded_adapters(self) -> list[str]:
         """Names of the adapters loaded right now (the router unloads the idle ones); none by default."""
         return []

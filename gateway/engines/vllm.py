@@ -76,6 +76,8 @@ class VLLMLaunch:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    #: Variables of this server alone, over the gateway's own (a replica's GPUs or CPU cores).
+    env: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
         cmd = [
@@ -105,7 +107,7 @@ class VLLMLaunch:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
-        return env
+        return env | self.env
 
 
 class VLLMEngine(Engine):
@@ -263,6 +265,19 @@ class VLLMEngine(Engine):
 
     async def health(self) -> bool:
         return self._ready.is_set() and await self.client.ping(self.health_url)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "replicas": [
+                {
+                    "url": self.base_url,
+                    "routable": self._ready.is_set(),
+                    "restarts": self.restarts,
+                    "adapters": sorted(self.adapters),
+                }
+            ],
+        }
 
     # ------------------------------------------------------------------ adapters
     async def _load(self, name: str, path: str) -> None:

@@ -89,6 +89,7 @@ ROUTES = [
     Route("GET", "/healthz", None, reads_only=True),
     Route("GET", "/readyz", None, reads_only=True),
     Route("GET", "/admin/capture", ADMIN_KEY, reads_only=True),
+    Route("GET", "/admin/engine", ADMIN_KEY, reads_only=True),
     Route("GET", "/admin/policies", ADMIN_KEY, reads_only=True),
     Route(
         "POST",
