@@ -41,6 +41,7 @@ from storage.jobs import (
     update_run,
 )
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
+from storage.partitions import DroppedDays, drop_expired_partitions, ensure_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import last_data_cutoff
@@ -218,6 +219,7 @@ class JobRunner:
         announce(run_id)
         try:
             config = load_policy_config(policy.config).schedule.retention
+            days = await self._drop_expired_days()
             calls = episodes = 0
             async with self.database.session() as session:
                 fresh = await get_policy(session, policy.name)
@@ -234,7 +236,15 @@ class JobRunner:
             logger.exception("retention job of %s failed", policy.name)
             await self._finish(run_id, "failed", error=repr(exc)[:4000])
             return run_id
-        metrics = {"calls": calls, "episodes": episodes, "versions": [a.version for a in pruned]}
+        metrics = {
+            "calls": calls,
+            "episodes": episodes,
+            "versions": [a.version for a in pruned],
+            # Whole days dropped on the way, whoever's calls they held (each past its own owner's retention).
+            "dropped_days": days.partitions,
+            "dropped_day_calls": days.calls,
+            "dropped_day_episodes": days.episodes,
+        }
         logger.info("retention of %s: %s", policy.name, metrics)
         await self._finish(run_id, "succeeded", metrics=metrics)
         return run_id
@@ -246,14 +256,33 @@ class JobRunner:
         """
         if self.config.retention_calls_days <= 0:
             return 0, 0
+        days = await self._drop_expired_days()
         cutoff = _now() - timedelta(days=self.config.retention_calls_days)
         async with self.database.session() as session:
             calls, episodes = await prune_calls(session, None, cutoff)
             await session.commit()
+        calls, episodes = calls + days.calls, episodes + days.episodes
         async with self.database.session() as session:
             await checkpoint_wal(session)
         logger.info("retention of calls no policy owns: %d calls, %d episodes deleted", calls, episodes)
         return calls, episodes
+
+    async def _drop_expired_days(self) -> DroppedDays:
+        """PostgreSQL: drop the day partitions of `calls` whose every call is past its owner's retention, before
+        the row-by-row deletes (which then find little left)."""
+        now = _now()
+        async with self.database.session() as session:
+            cutoffs: dict[str, datetime | None] = {}
+            for policy in await list_policies(session):
+                try:
+                    days = load_policy_config(policy.config).schedule.retention.calls_days
+                except InvalidPolicyConfig:
+                    days = None  # unreadable: keep its calls
+                cutoffs[policy.name] = now - timedelta(days=days) if days is not None else None
+        unowned_days = self.config.retention_calls_days
+        unowned = now - timedelta(days=unowned_days) if unowned_days > 0 else None
+        async with self.database.engine.connect() as connection:
+            return await drop_expired_partitions(connection, cutoffs, unowned)
 
     async def scheduled_prune(self) -> None:
         """`prune_unowned_calls` on its cron, once per firing across every replica: the first scheduler to fire
@@ -537,7 +566,20 @@ class PolicyScheduler:
                 parse_cron(self.runner.config.retention_cron),
                 id="kaizen:retention",
             )
+        self._scheduler.add_job(
+            self.create_partitions, "interval", hours=6, id="kaizen:partitions", next_run_time=_now()
+        )
         logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
+
+    async def create_partitions(self) -> None:
+        """PostgreSQL: keep the day partitions of `calls` ready ahead of the clock (a long-running process never
+        re-runs its start-up's creation). Idempotent; every replica's scheduler may run it."""
+        try:
+            async with self.database.engine.connect() as connection:
+                await ensure_partitions(connection, _now().date())
+                await connection.commit()
+        except Exception:
+            logger.exception("could not create the coming days' call partitions")
 
     async def stop(self) -> None:
         if self._scheduler is not None:
