@@ -80,7 +80,8 @@ async def _load_trajectories(
         kept = [e for e in episodes if not is_held_out(e.group_key or e.id, holdout)]
         report.add("held_out_for_gate", len(episodes) - len(kept))
         episodes = kept
-        calls = await episode_calls(session, [e.id for e in episodes])
+        first = min((e.created_at for e in episodes), default=None)
+        calls = await episode_calls(session, [e.id for e in episodes], since=first)
     trajectories = []
     for episode in episodes:
         trajectory = build_example(episode, calls.get(episode.id, []), report)
