@@ -16,6 +16,7 @@ import asyncpg
 import msgspec
 from sqlalchemy import (
     JSON,
+    ColumnElement,
     CompoundSelect,
     DateTime,
     Table,
@@ -40,19 +41,30 @@ from storage.records import CallRecord
 _STITCHED = select(StitchKey.hash, StitchKey.episode_id).where(
     StitchKey.hash.in_(bindparam("hashes", expanding=True))
 )
+
+
 # One round trip for what a batch needs to know first: which of its call ids are stored already (project NULL),
 # and the project of each of its episodes that exists. The writer's thread waits for the interpreter lock after
-# every round trip while the serving thread is busy, so each one saved shortens a batch under load. A stored copy
-# of a record has the record's own time, so the batch's time span bounds the search: on PostgreSQL that reads the
-# day partitions of those times only, not one index per day of retention.
-_KNOWN: CompoundSelect[Any] = union_all(
-    select(true().label("stored"), Call.id, null().label("project")).where(
-        Call.id.in_(bindparam("ids", expanding=True)),
-        Call.created_at.between(
-            bindparam("since", type_=Call.created_at.type), bindparam("until", type_=Call.created_at.type)
+# every round trip while the serving thread is busy, so each one saved shortens a batch under load.
+def _known(*bounds: ColumnElement[bool]) -> CompoundSelect[Any]:
+    return union_all(
+        select(true().label("stored"), Call.id, null().label("project")).where(
+            Call.id.in_(bindparam("ids", expanding=True)), *bounds
         ),
-    ),
-    select(false(), Episode.id, Episode.project).where(Episode.id.in_(bindparam("episodes", expanding=True))),
+        select(false(), Episode.id, Episode.project).where(
+            Episode.id.in_(bindparam("episodes", expanding=True))
+        ),
+    )
+
+
+_KNOWN = _known()
+# PostgreSQL: a stored copy of a record has the record's own time (records are written, spooled and replayed as
+# they were made), so the batch's time span bounds the search to the day partitions of those times, instead of one
+# index per day of retention.
+_KNOWN_IN_SPAN = _known(
+    Call.created_at.between(
+        bindparam("since", type_=Call.created_at.type), bindparam("until", type_=Call.created_at.type)
+    )
 )
 # Where each episode's stored calls end: the next position, and the latest time (a call that arrives later but was
 # made earlier, from another replica's writer, is slotted in by time).
@@ -238,8 +250,9 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
     await resolve_stitched_episodes(session, records)
     unique = list({r.id: r for r in reversed(records)}.values())[::-1]  # first occurrence of an id wins
     times = [r.created_at for r in unique]
+    postgres = session.get_bind().dialect.name == "postgresql"
     known = await session.execute(
-        _KNOWN,
+        _KNOWN_IN_SPAN if postgres else _KNOWN,
         {
             "ids": [r.id for r in unique],
             "episodes": list({r.episode_id for r in unique}),
