@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
@@ -27,8 +27,12 @@ from trainer.dataset import DataReport, TrainingExample, build_example, select_e
 from trainer.engine_sampling import EngineEndpoint
 from trainer.gate import is_held_out
 from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
-from trainer.policy_config import PolicyConfig, load_policy_config
+from trainer.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
+
+if TYPE_CHECKING:  # torch is imported by the training phase only, never by the job's callers
+    from trainer.distributed import Followers
+    from trainer.launch import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,8 @@ class TrainRequest:
     #: of what is served), or None for the trainer's own copy of the adapter (`LocalSampler`).
     sampler: EngineEndpoint | None = None
     device: str | None = None
+    #: This process is rank 0 of several training processes (torchrun); the others run `follow`.
+    followers: Followers | None = None
 
 
 @dataclass
@@ -157,7 +163,7 @@ async def _train(
 ) -> TrainOutcome:
     import torch
 
-    from trainer.grpo import CollapseMonitor, run_update
+    from trainer.grpo import peft_model
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
     from trainer.tokens import tokenize
 
@@ -182,7 +188,9 @@ async def _train(
             )
             await session.commit()
 
+    ranks = request.followers.ranks if request.followers is not None else None
     if not trajectories:
+        await _tell_followers(None, request.followers)
         empty = {"data": report.as_dict(), "wall_s": time.perf_counter() - started}
         await finish("skipped", empty, error="no rewarded trajectories in the window")
         return TrainOutcome(run_id, "skipped", None, None, empty, "no rewarded trajectories in the window")
@@ -193,6 +201,10 @@ async def _train(
             active = await get_adapter(session, policy.id, policy.active_version)
         adapter_path = active.path if active is not None else None
     device = torch.device(request.device) if request.device else pick_device()
+    if ranks is not None:
+        device = torch.device("cuda", ranks.local_rank) if device.type == "cuda" else device
+    loading = ("load", request.base_model_path, adapter_path, cfg.model_dump(mode="json"))
+    await _tell_followers(loading, request.followers)
     model, tokenizer = await asyncio.to_thread(
         load_policy, request.base_model_path, adapter_path, cfg, device
     )
@@ -227,31 +239,16 @@ async def _train(
                 samples.append(sample)
     metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
     if not samples:
+        await _tell_followers(None, request.followers)
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
         await finish("skipped", metrics, error="no group with reward variance")
         return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds())
-
-    def update() -> Any:
-        monitor.start()
-        result = run_update(
-            model,
-            samples,
-            cfg,
-            pad_id=int(tokenizer.pad_token_id),
-            device=device,
-            collapse_check=monitor,
-            stop=stop,
-        )
-        if not result.stopped_early:
-            problems = monitor(result.steps)
-            if problems:
-                result.stopped_early, result.problems = True, problems
-        return result
-
-    result = await asyncio.to_thread(update)
+    await _tell_followers(("train", samples, contexts), request.followers)
+    result, monitor, model, state = await asyncio.to_thread(
+        update_together, model, tokenizer, samples, contexts, cfg, device, ranks, stop
+    )
     metrics.update(result.metrics)
     metrics.update(
         data=report.as_dict(),
@@ -270,7 +267,7 @@ async def _train(
     async with db.session() as session:
         version = await next_version(session, policy.id)
     target = adapter_dir(request.data_dir, policy.name, version)
-    await asyncio.to_thread(save_adapter, model, target)
+    await asyncio.to_thread(save_adapter, peft_model(model), target, state)
     async with db.session() as session:
         await add_adapter(
             session,
@@ -297,3 +294,75 @@ async def _train(
         metrics["wall_s"],
     )
     return TrainOutcome(run_id, "succeeded", version, str(target), metrics)
+
+
+def update_together(
+    model: Any,
+    tokenizer: Any,
+    samples: list[Any],
+    contexts: list[tuple[list[dict[str, Any]], list[Any] | None]],
+    cfg: TrainConfig,
+    device: Any,
+    ranks: Ranks | None,
+    stop: threading.Event | None,
+) -> tuple[Any, Any, Any, dict[str, Any] | None]:
+    """The update (with its collapse checks), run by every training process alike: (result, monitor, model,
+    the trainable weights gathered from every process or None when one process trained alone).
+
+    Everything here is collective under several processes, in the same order on each of them."""
+    from trainer.distributed import full_trainable_state, shard, share
+    from trainer.grpo import CollapseMonitor, run_update
+
+    if ranks is not None:
+        model = shard(model, cfg.sharding, device)
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), ranks=ranks)
+    monitor.start()
+    result = run_update(
+        model,
+        samples,
+        cfg,
+        pad_id=int(tokenizer.pad_token_id),
+        device=device,
+        collapse_check=monitor,
+        stop=stop,
+        ranks=ranks,
+    )
+    if not result.stopped_early:
+        problems = monitor(result.steps)
+        if ranks is not None:
+            problems = share(problems, ranks) or []
+        if problems:
+            result.stopped_early, result.problems = True, problems
+    state = full_trainable_state(model) if ranks is not None and not result.stopped_early else None
+    return result, monitor, model, state
+
+
+async def _tell_followers(message: Any, followers: Followers | None) -> None:
+    """Send the other training processes what to do next (None: nothing, the run ends)."""
+    if followers is not None:
+        await asyncio.to_thread(followers.tell, message)
+
+
+def follow(ranks: Ranks, device_name: str | None = None) -> None:
+    """A training process other than rank 0: load what rank 0 loads, train on the samples it sends, hand the
+    weights back. It never touches the database; rank 0 holds the lock and records the run."""
+    import torch
+
+    from trainer.distributed import share
+    from trainer.model import load_policy, pick_device
+    from trainer.policy_config import TrainConfig
+
+    device = torch.device(device_name) if device_name else pick_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+    told = share(None, ranks)
+    if told is None:
+        return
+    _, base_model_path, adapter_path, dumped = told
+    cfg = TrainConfig.model_validate(dumped)
+    model, tokenizer = load_policy(base_model_path, adapter_path, cfg, device)
+    told = share(None, ranks)
+    if told is None:
+        return
+    _, samples, contexts = told
+    update_together(model, tokenizer, samples, contexts, cfg, device, ranks, None)

@@ -119,14 +119,16 @@ def _keep_lora_inputs_in_bf16(model: Any) -> None:
             module.cast_input_dtype_enabled = False  # type: ignore[attr-defined]
 
 
-def save_adapter(model: Any, target: Path) -> None:
-    """Write the adapter to a temporary sibling and rename it into place, so no half-written version is visible."""
+def save_adapter(model: Any, target: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter to a temporary sibling and rename it into place, so no half-written version is visible.
+
+    `state_dict`: the trainable weights gathered from every training process, for a sharded model."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         raise FileExistsError(f"adapter directory {target} already exists")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         tmp.chmod(0o755)
         os.rename(tmp, target)
     finally:
@@ -141,6 +143,8 @@ class LocalSampler:
 
     #: One model, one generate call at a time.
     max_concurrency = 1
+    #: Several training processes sample in lockstep (a sharded model needs all of them for every token).
+    synced = False
 
     def __init__(
         self,
@@ -195,6 +199,7 @@ class LocalSampler:
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=pad,
+                    synced_gpus=self.synced,
                 )
         finally:
             self.model.train(was_training)
