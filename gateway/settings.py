@@ -319,6 +319,12 @@ class Settings(BaseSettings):
         "replicas of two GPUs each, with `--tensor-parallel-size 2` in KAIZEN_VLLM_EXTRA_ARGS). Empty: replica i "
         "gets GPU i when there are several.",
     )
+    train_processes: int = Field(
+        1,
+        ge=1,
+        description="Processes one training run uses on this machine (one per GPU), started through torchrun; "
+        "the policy's `train.sharding` says how the model is spread over them (FSDP by default).",
+    )
     vllm_replica_cpus: str = Field(
         "",
         description="CPU build: `VLLM_CPU_OMP_THREADS_BIND` of each started replica, separated by `;` "
