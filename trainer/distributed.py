@@ -96,13 +96,15 @@ def shard(model: Any, sharding: Sharding, device: torch.device) -> Any:
                 fully_shard(adapter)
     for layer in _decoder_layers(model):
         fully_shard(layer)
-    fully_shard(model)
+    # The root group is the causal LM inside PEFT: training calls the PEFT model, but generation (the collapse
+    # checks) calls the causal LM's forward directly, and the root's hooks must run either way.
+    fully_shard(model.get_base_model())
     return model
 
 
 def _decoder_layers(model: Any) -> Sequence[Any]:
     """The transformer blocks of a Hugging Face causal LM under PEFT (`model.model.layers` for Llama-like)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = model.get_base_model()
     inner = getattr(base, "model", base)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -171,11 +171,19 @@ class LocalSampler:
         # In a worker thread: generation blocks for seconds, and the run's lock heartbeat must keep beating.
         return (await asyncio.to_thread(self.sample_many, [(messages, tools)], n))[0]
 
-    @torch.inference_mode()
     def sample_many(
         self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int
     ) -> list[list[Sample]]:
-        """`n` replies to each context in one left-padded generate call (per-step overhead dominates on CPU)."""
+        """`n` replies to each context in one left-padded generate call (per-step overhead dominates on CPU).
+
+        No autograd either way; not inference mode when synced: a sharded model's gathered weights are buffers
+        that training writes into afterwards, which inference tensors refuse."""
+        with torch.no_grad() if self.synced else torch.inference_mode():
+            return self._sample_many(contexts, n)
+
+    def _sample_many(
+        self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int
+    ) -> list[list[Sample]]:
         if n <= 0 or not contexts:
             return [[] for _ in contexts]
         prompts = [self.prompt_ids(messages, tools) for messages, tools in contexts]

@@ -4,6 +4,7 @@ that split its micro-batches, match those of one process computing them all."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -11,6 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from storage.database import Database
+from storage.jobs import list_runs
+from storage.policies import create_policy, get_policy, list_adapters
+from storage.schema import upgrade_database
+from tests.integration.test_train_command import POLICY, TRAIN
+from tests.support.training_data import RewardedReply, write_rewarded_groups
 
 REPO = Path(__file__).resolve().parents[2]
 # Two float32 sums of the same terms in another order: equal to a few parts in 10⁷. A step that counted one
@@ -60,3 +68,58 @@ def test_two_processes_take_the_step_one_process_takes(
         scale = float(expected.abs().max())
         difference = float((together[name] - expected).abs().max())
         assert difference <= RELATIVE_TOLERANCE * scale, (name, difference, scale)
+
+
+def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedded_model: Path) -> None:
+    """The whole run through `kaizen train` with KAIZEN_TRAIN_PROCESSES=2: torchrun starts two trainers, rank 0
+    reads the data and hands the samples over, both take the step, rank 0 writes the adapter and the rows."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+
+    async def setup() -> None:
+        await upgrade_database(url)
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                await create_policy(session, POLICY, str(embedded_model), {"train": TRAIN})
+                await session.commit()
+            replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
+            await write_rewarded_groups(
+                database, POLICY, [("Say hi.", replies), ("Say yes.", replies)], "fixed"
+            )
+        finally:
+            await database.dispose()
+
+    async def outcome() -> tuple[list[tuple[int, str, str]], list[str]]:
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, POLICY)
+                assert policy is not None
+                adapters = [(a.version, a.status, a.path) for a in await list_adapters(session, policy.id)]
+                runs = [r.status for r in await list_runs(session, POLICY)]
+        finally:
+            await database.dispose()
+        return adapters, runs
+
+    asyncio.run(setup())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    trained = subprocess.run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+        env={
+            **env,
+            "KAIZEN_DATABASE_URL": url,
+            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+            "KAIZEN_TRAIN_PROCESSES": "2",
+            "KAIZEN_TRAIN_SAMPLER": "local",
+        },
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-4000:]
+    assert "training process 1 of 2" in trained.stderr  # the follower took part
+    [(_, status, path)] = asyncio.run(outcome())[0]
+    assert status == "candidate" and (Path(path) / "adapter_model.safetensors").is_file()
+    assert asyncio.run(outcome())[1] == ["succeeded"]
