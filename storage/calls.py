@@ -73,11 +73,14 @@ _LAST = (
     .where(Call.episode_id.in_(bindparam("episodes", expanding=True)))
     .group_by(Call.episode_id)
 )
-# PostgreSQL: the same, read from the day partitions since each episode started (less an hour of clock slack
-# between replicas) rather than from one index per day of retention.
+#: A call is made after the episode it belongs to starts, but another replica's clock may be a little behind:
+#: lookups of an episode's calls read from its start less this on, so that on PostgreSQL they read only the day
+#: partitions from then on instead of one index per day of retention.
+CALL_CLOCK_SLACK = timedelta(hours=1)
+# PostgreSQL: the same, read from the day partitions since each episode started.
 _SINCE_START = (
     select(func.max(Call.position).label("position"), func.max(Call.created_at).label("latest"))
-    .where(Call.episode_id == Episode.id, Call.created_at >= Episode.created_at - literal(timedelta(hours=1)))
+    .where(Call.episode_id == Episode.id, Call.created_at >= Episode.created_at - literal(CALL_CLOCK_SLACK))
     .lateral()
 )
 _LAST_PARTITIONED = (

@@ -22,6 +22,8 @@ from datetime import UTC, date, datetime, timedelta
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from storage.calls import CALL_CLOCK_SLACK
+
 log = logging.getLogger(__name__)
 
 #: Days of partitions kept ready beyond today.
@@ -180,6 +182,7 @@ async def drop_expired_partitions(
             await connection.commit()
             dropped.partitions.append(partition.name)
     finally:
+        await connection.rollback()  # a failed day leaves its transaction aborted; the lock outlives it
         await connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _LOCK})
         await connection.commit()
     if dropped.partitions:
@@ -219,13 +222,13 @@ async def _drop_orphaned_episodes(connection: AsyncConnection, episode_ids: Sequ
         orphans = list(
             await connection.scalars(
                 text(
-                    # One index probe per episode, from its start (less a clock slack) on: as a NOT EXISTS the
-                    # planner hashes every call of the table instead.
+                    # One index probe per episode, from its start on: as a NOT EXISTS the planner would hash
+                    # every call of the table instead.
                     "SELECT e.id FROM episodes e LEFT JOIN LATERAL (SELECT 1 AS found FROM calls c "
-                    "WHERE c.episode_id = e.id AND c.created_at >= e.created_at - interval '1 hour' LIMIT 1) x "
+                    "WHERE c.episode_id = e.id AND c.created_at >= e.created_at - CAST(:slack AS interval) LIMIT 1) x "
                     "ON true WHERE e.id = ANY(:ids) AND x.found IS NULL"
                 ),
-                {"ids": chunk},
+                {"ids": chunk, "slack": CALL_CLOCK_SLACK},
             )
         )
         if not orphans:

@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, or_, select, union_all, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from storage.calls import CALL_CLOCK_SLACK
 from storage.models import Call, Episode, Reward, TrainingRun
 
 
@@ -47,11 +48,6 @@ class CallRow:
     context_hash: str | None
     group_key: str | None
     adapter_version: int | None
-
-
-#: A call is made after the episode it belongs to starts; another replica's clock may be a little behind. Bounding
-#: calls by time lets PostgreSQL read only the day partitions of the window.
-CALL_CLOCK_SLACK = timedelta(hours=1)
 
 
 async def rewarded_episodes(
