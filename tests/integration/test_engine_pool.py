@@ -7,8 +7,6 @@ their port); `test_engine_replicas.py` does the same with two real vLLM servers.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +17,9 @@ import pytest
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, get_policy
+from tests.support.engine_faults import load_with_a_kill
 from tests.support.gateway_server import GatewayServer
-from tests.support.polling import poll, wait_until
+from tests.support.polling import wait_until
 from tests.support.sql import fetch_rows
 from tests.support.upstream_process import UpstreamProcess
 
@@ -90,10 +89,11 @@ def served_version(gateway: GatewayServer) -> str:
     return str(response.headers.get("x-kaizen-model", response.status_code))
 
 
-def test_calls_spread_and_a_promotion_reaches_every_replica(
-    make_gateway: MakeGateway, database_url: str, replicas: list[UpstreamProcess], tmp_path: Path
-) -> None:
-    gateway = make_gateway(
+def pool_gateway(
+    make_gateway: MakeGateway, database_url: str, replicas: list[UpstreamProcess]
+) -> GatewayServer:
+    """A gateway attached to the replicas as vLLM servers."""
+    return make_gateway(
         database_url,
         engine="vllm",
         vllm_url=",".join(r.url for r in replicas),
@@ -101,6 +101,12 @@ def test_calls_spread_and_a_promotion_reaches_every_replica(
         admin_key="adm",
         policy_refresh_s=0.3,
     )
+
+
+def test_calls_spread_and_a_promotion_reaches_every_replica(
+    make_gateway: MakeGateway, database_url: str, replicas: list[UpstreamProcess], tmp_path: Path
+) -> None:
+    gateway = pool_gateway(make_gateway, database_url, replicas)
     register_versions(database_url, gateway.settings.data_dir, 2)
     wait_until(lambda: served_version(gateway) == "bot@0", "bot@0 to be served")
     assert all("bot@0" in loaded(r) for r in replicas)
@@ -125,59 +131,26 @@ def test_calls_spread_and_a_promotion_reaches_every_replica(
 def test_a_replica_killed_under_load_loses_no_call(
     make_gateway: MakeGateway, database_url: str, replicas: list[UpstreamProcess], tmp_path: Path
 ) -> None:
-    gateway = make_gateway(
-        database_url,
-        engine="vllm",
-        vllm_url=",".join(r.url for r in replicas),
-        base_model="scripted-1",
-        admin_key="adm",
-        policy_refresh_s=0.3,
-    )
+    gateway = pool_gateway(make_gateway, database_url, replicas)
     register_versions(database_url, gateway.settings.data_dir, 1)
     wait_until(lambda: served_version(gateway) == "bot@0", "bot@0 to be served")
     doomed, survivor = replicas
-    outcomes: Counter[str] = Counter()
-    answered: list[str] = []  # server ids of calls that got a complete 200
-    broken: list[str] = []  # ids of streams that ended with an error event
 
-    async def one(client: httpx.AsyncClient, n: int) -> None:
+    def body(n: int) -> dict[str, Any]:
         stream = n % 2 == 1
         # About 300 ms either way (a stream waits before each chunk), so calls are in flight when it dies.
         script = "#long 12 #slow 25" if stream else "#long 12 #slow 300"
-        body = {
+        return {
             "model": "bot",
             "stream": stream,
             "messages": [{"role": "user", "content": f"call {n} {script}"}],
         }
-        async with client.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
-            text = (await response.aread()).decode()
-        request_id = response.headers.get("x-request-id")
-        if response.status_code != 200:
-            outcomes[f"status {response.status_code}"] += 1
-            return
-        if not stream or text.rstrip().endswith("data: [DONE]"):
-            outcomes["complete"] += 1
-            answered.append(request_id)
-        else:
-            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-            assert "error" in events[-1], events[-1]
-            outcomes["stream broken mid-way"] += 1
-            broken.append(request_id)
 
-    async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-            queue = list(range(CALLS))
+    async def kill() -> None:
+        await asyncio.to_thread(doomed.kill)  # SIGKILL, calls in flight on it
 
-            async def worker() -> None:
-                while queue:
-                    await one(client, queue.pop())
-
-            workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
-            assert await poll(lambda: _done_at_least(outcomes, CALLS // 4), timeout_s=60)
-            await asyncio.to_thread(doomed.kill)  # SIGKILL, calls in flight on it
-            await asyncio.gather(*workers)
-
-    asyncio.run(scenario())
+    seen = asyncio.run(load_with_a_kill(gateway.url, body, CALLS, CONCURRENCY, kill, timeout_s=60))
+    outcomes, answered, broken = seen.counts, seen.answered, seen.broken
     state = engine_state(gateway)
     assert [r["routable"] for r in state["replicas"]] == [False, True], state
     assert sum(outcomes.values()) == CALLS
@@ -202,7 +175,3 @@ def test_a_replica_killed_under_load_loses_no_call(
     wait_until(lambda: engine_state(gateway)["replicas"][0]["routable"], "the replica to be back", 30)
     assert "bot@0" in loaded(doomed)
     assert survivor.url != doomed.url
-
-
-async def _done_at_least(outcomes: Counter[str], count: int) -> bool:
-    return sum(outcomes.values()) >= count

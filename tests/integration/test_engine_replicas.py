@@ -5,10 +5,8 @@ restarted by its watchdog and given its adapters back, with every answered call 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +21,9 @@ from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, get_policy
 from tests.conftest import MODELS_DIR, query
 from tests.integration.test_vllm_engine import _write_random_adapter
+from tests.support.engine_faults import load_with_a_kill
 from tests.support.gateway_server import GatewayServer
-from tests.support.polling import poll, wait_until
+from tests.support.polling import wait_until
 
 # Two vLLM servers start (and one restarts) on two shared cores: minutes on a loaded machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -112,50 +111,23 @@ def test_versions_are_on_both_replicas_before_they_are_served(gateway: GatewaySe
 
 def test_a_replica_killed_under_load_is_replaced_and_nothing_is_lost(gateway: GatewayServer) -> None:
     engines = pool(gateway)
-    outcomes: Counter[str] = Counter()
-    answered: list[str] = []
-    broken: list[str] = []
 
-    async def one(client: httpx.AsyncClient, n: int) -> None:
-        stream = n % 2 == 1
-        body = {
+    def body(n: int) -> dict[str, Any]:
+        return {
             "model": "bot",
-            "stream": stream,
+            "stream": n % 2 == 1,
             "max_tokens": 24,
             "messages": [{"role": "user", "content": f"Count from {n} to {n + 20}."}],
         }
-        async with client.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
-            text = (await response.aread()).decode()
-        if response.status_code != 200:
-            outcomes[f"status {response.status_code}"] += 1
-            return
-        request_id = response.headers["x-request-id"]
-        if not stream or text.rstrip().endswith("data: [DONE]"):
-            outcomes["complete"] += 1
-            answered.append(request_id)
-        else:
-            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-            assert "error" in events[-1], events[-1]
-            outcomes["stream broken mid-way"] += 1
-            broken.append(request_id)
 
-    async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
-            queue = list(range(CALLS))
-
-            async def worker() -> None:
-                while queue:
-                    await one(client, queue.pop())
-
-            workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
-            assert await poll(lambda: _at_least(outcomes, CALLS // 4), timeout_s=600)
-            doomed = engines.replicas[1].engine._process  # the API server; its engine core is in its group
-            assert doomed is not None
-            os.killpg(doomed.pid, signal.SIGKILL)
-            await asyncio.gather(*workers)
+    async def kill() -> None:
+        doomed = engines.replicas[1].engine._process  # the API server; its engine core is in its group
+        assert doomed is not None
+        os.killpg(doomed.pid, signal.SIGKILL)
 
     before = {r.engine.base_url: r.served for r in engines.replicas}
-    asyncio.run(scenario())
+    seen = asyncio.run(load_with_a_kill(gateway.url, body, CALLS, CONCURRENCY, kill, timeout_s=600))
+    outcomes, answered, broken = seen.counts, seen.answered, seen.broken
     assert sum(outcomes.values()) == CALLS
     assert set(outcomes) <= {"complete", "stream broken mid-way"}, outcomes
     assert outcomes["stream broken mid-way"] == engines.failed_mid_stream
@@ -173,7 +145,3 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_is_lost(gateway: Ga
     assert engines.replicas[1].engine.restarts >= 1
     assert "bot@1" in loaded(engines.replicas[1].engine.base_url)
     assert served_model(gateway, "bot") == "bot@1"
-
-
-async def _at_least(outcomes: Counter[str], count: int) -> bool:
-    return sum(outcomes.values()) >= count
