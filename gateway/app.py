@@ -22,7 +22,12 @@ from gateway.auth import KeyRing
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
 from gateway.completions import RelayService
-from gateway.controllers.admin import AuditController, CaptureAdminController, KeysController
+from gateway.controllers.admin import (
+    AuditController,
+    CaptureAdminController,
+    EngineAdminController,
+    KeysController,
+)
 from gateway.controllers.chat import ChatController
 from gateway.controllers.completions import CompletionsController, EmbeddingsController
 from gateway.controllers.episodes import EpisodesController
@@ -80,8 +85,10 @@ def build_engine(settings: Settings) -> Engine:
 
 
 def build_vllm_engine(settings: Settings) -> Engine:
-    """The vLLM engine: attached by URL, or a supervised server for the (pulled if embedded) base model."""
+    """The vLLM engine: attached by URL, or supervised servers for the (pulled if embedded) base model; several
+    URLs or `vllm_replicas` > 1 make a pool that balances calls over them."""
     from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
+    from gateway.engines.pool import EnginePool
     from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python, free_loopback_port
     from gateway.tool_call_parsers import choose_tool_call_parser
 
@@ -93,39 +100,65 @@ def build_vllm_engine(settings: Settings) -> Engine:
         "max_connections": settings.engine_max_connections,
         "startup_timeout_s": settings.vllm_startup_timeout_s,
     }
-    if settings.vllm_url:
-        return VLLMEngine(base_url=settings.vllm_url, launch=None, **common)  # type: ignore[arg-type]
+    urls = settings.vllm_urls
+    if urls:
+        attached = [VLLMEngine(base_url=url, launch=None, **common) for url in urls]  # type: ignore[arg-type]
+        return attached[0] if len(attached) == 1 else EnginePool(attached)
     embedded = EMBEDDED_MODELS.get(settings.base_model)
-    port = settings.vllm_port or free_loopback_port()  # 0: a port no other gateway's vLLM holds
+    count = settings.vllm_replicas
     model = resolve_base_model(settings.base_model, settings.data_dir / "models")
-    launch = VLLMLaunch(
-        python=find_vllm_python(settings.vllm_python),
-        model=model,
-        served_name=served,
-        port=port,
-        max_model_len=settings.vllm_max_model_len,
-        max_loras=settings.vllm_max_loras,
-        max_lora_rank=settings.vllm_max_lora_rank,
-        kv_cache_gib=settings.vllm_kv_cache_gib,
-        dtype=settings.vllm_dtype,
-        tool_call_parser=choose_tool_call_parser(
-            settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else ""),
-            model,
-            settings.vllm_chat_template,
-        ),
-        chat_template=settings.vllm_chat_template or None,
-        extra_args=settings.vllm_extra_args.split(),
+    tool_call_parser = choose_tool_call_parser(
+        settings.vllm_tool_call_parser or (embedded.tool_call_parser if embedded else ""),
+        model,
+        settings.vllm_chat_template,
     )
-    return VLLMEngine(
-        base_url=f"http://127.0.0.1:{port}/v1",
-        launch=launch,
-        log_path=settings.data_dir / "logs" / "vllm.log",
-        **common,  # type: ignore[arg-type]
-    )
+    replicas = []
+    for index in range(count):
+        # Port 0: a port no other gateway's vLLM holds; a fixed port is the first replica's, the next ones follow.
+        port = settings.vllm_port + index if settings.vllm_port else free_loopback_port()
+        launch = VLLMLaunch(
+            python=find_vllm_python(settings.vllm_python),
+            model=model,
+            served_name=served,
+            port=port,
+            max_model_len=settings.vllm_max_model_len,
+            max_loras=settings.vllm_max_loras,
+            max_lora_rank=settings.vllm_max_lora_rank,
+            kv_cache_gib=settings.vllm_kv_cache_gib,
+            dtype=settings.vllm_dtype,
+            tool_call_parser=tool_call_parser,
+            chat_template=settings.vllm_chat_template or None,
+            extra_args=settings.vllm_extra_args.split(),
+            env=replica_environment(settings, index),
+        )
+        log_name = "vllm.log" if count == 1 else f"vllm-{index}.log"
+        replicas.append(
+            VLLMEngine(
+                base_url=f"http://127.0.0.1:{port}/v1",
+                launch=launch,
+                log_path=settings.data_dir / "logs" / log_name,
+                **common,  # type: ignore[arg-type]
+            )
+        )
+    return replicas[0] if count == 1 else EnginePool(replicas)
+
+
+def replica_environment(settings: Settings, index: int) -> dict[str, str]:
+    """The devices of started replica `index`: its GPUs (one each by default) and, on CPU, its cores."""
+    if settings.vllm_replicas == 1:
+        return {}
+    env: dict[str, str] = {}
+    gpus = [g.strip() for g in settings.vllm_replica_gpus.split(";")] if settings.vllm_replica_gpus else []
+    env["CUDA_VISIBLE_DEVICES"] = gpus[index] if index < len(gpus) else str(index)
+    cpus = [c.strip() for c in settings.vllm_replica_cpus.split(";")] if settings.vllm_replica_cpus else []
+    if index < len(cpus):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus[index]
+    return env
 
 
 def engine_url(engine: Engine) -> str | None:
-    """The /v1 URL of a vLLM engine (the port it really uses), for putting it to sleep during training."""
+    """The /v1 URL of a vLLM engine (the port it really uses), for putting it to sleep during training. A pool
+    of replicas has none: sleeping is for one GPU shared by serving and training."""
     from gateway.engines.vllm import VLLMEngine
 
     return engine.base_url if isinstance(engine, VLLMEngine) else None
@@ -151,6 +184,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         fsync_ms=settings.capture_fsync_ms,
         segment_bytes=settings.capture_segment_bytes,
         drain_timeout_s=settings.capture_drain_timeout_s,
+        stitch_grace_ms=settings.stitch_grace_ms,
     )
     metrics = (
         GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink)
@@ -167,6 +201,8 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         stitch_cache_size=settings.stitch_cache_size,
         metrics=metrics.calls if metrics is not None else None,
         tracer=tracer,
+        database=database,
+        stitch_lookup_wait_ms=settings.stitch_lookup_wait_ms,
     )
     responses = ResponsesService(
         chat,
@@ -379,6 +415,7 @@ def create_app(services: Services) -> Litestar:
             FeedbackController,
             HealthController,
             CaptureAdminController,
+            EngineAdminController,
             KeysController,
             AuditController,
             PoliciesController,

@@ -20,6 +20,11 @@ process spends its CPU on serving.
 - **Shutdown:** after serving has ended, the log is closed and the writer drains it, for up to
   `drain_timeout_s`; what is left stays in the log for the next start.
 - **The writer dies:** it is restarted after `retry_s`; the new one stores what the old one had not.
+- **Several replicas on one data directory:** each process claims a capture directory of its own
+  (`gateway.capture_directory`), so no writer stores or deletes another process's log.
+- **A follow-up whose earlier turn another replica answered:** with `stitch_grace_ms`, the writer holds it back
+  until that turn is stored (or the grace period is over), and reports the final episode of every call the gateway
+  stitched provisionally, which settles the gateway's stitch cache.
 - **The log cannot be written** (disk full): the call goes to the writer over its stdin instead, in memory only,
   and `log_failures` counts it.
 
@@ -37,12 +42,14 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 
+from gateway.capture_directory import CaptureDirectory
 from gateway.capture_writer import (
     DRAIN,
     LINE_LIMIT,
@@ -50,6 +57,7 @@ from gateway.capture_writer import (
     WriterLog,
     WriterMessage,
     WriterStatus,
+    WriterStored,
     segment_numbers,
     segment_path,
 )
@@ -239,6 +247,7 @@ class CaptureSink:
         segment_bytes: int = 16 * 2**20,
         drain_timeout_s: float = 30.0,
         recent_size: int = 100_000,
+        stitch_grace_ms: float = 0.0,
     ) -> None:
         self.database_url = database_url
         self.wal = WriteAheadLog(log_dir, segment_bytes, fsync=fsync_ms > 0)
@@ -249,6 +258,10 @@ class CaptureSink:
         self.tick_s = fsync_ms / 1000 if fsync_ms > 0 else _ROTATE_S
         self.drain_timeout_s = drain_timeout_s
         self.recent = RecentTargets(recent_size)
+        self.stitch_grace_ms = stitch_grace_ms
+        # Told (call id, final episode id) of stored calls whose episode was provisional (the chat service settles
+        # its stitch cache with them).
+        self.on_stored: Callable[[list[tuple[str, str]]], None] | None = None
         self.writer = WriterStatus()  # the running writer's last report
         self._earlier = WriterStatus()  # the counters of writers that exited unexpectedly, summed
         self._handed = 0  # calls appended or piped since the running writer started
@@ -260,6 +273,7 @@ class CaptureSink:
         self._writer_up = asyncio.Event()  # the running writer has reported (its imports are done)
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(WriterMessage)
+        self._directory: CaptureDirectory | None = None
 
     # ------------------------------------------------------------------ request path
     def submit(self, record: CallRecord) -> None:
@@ -306,6 +320,7 @@ class CaptureSink:
         """Start the writer; when an earlier process left calls in the log, wait until they are stored (before
         serving). Otherwise serving need not wait for the writer's start-up (a second or more of imports on a
         busy machine): calls wait in the log meanwhile."""
+        self._claim_directory()
         live_from = self.wal.open()
         await self._spawn(live_from)
         if any(segment < live_from for segment in segment_numbers(self.wal.directory)):
@@ -329,6 +344,7 @@ class CaptureSink:
             log.warning(
                 "no capture writer at shutdown: calls not yet stored stay in the log for the next start"
             )
+            self._release_directory()
             return
         assert process.stdin is not None
         with contextlib.suppress(TimeoutError):
@@ -348,6 +364,26 @@ class CaptureSink:
         left = self._handed - self.writer.settled
         if left > 0:
             log.warning("%d captured calls stay in the capture log for the next start", left)
+        self._release_directory()
+
+    @property
+    def database_up(self) -> bool:
+        """As the writer last saw it."""
+        return self.writer.database_up
+
+    def _claim_directory(self) -> None:
+        """Take a capture directory no other live process uses (replicas may share the data directory)."""
+        root = self.wal.directory.parent
+        self._directory = CaptureDirectory.claim(root)
+        if self._directory.path != root:
+            self.wal = WriteAheadLog(
+                self._directory.path / self.wal.directory.name, self.wal.segment_bytes, fsync=self.wal.fsync
+            )
+
+    def _release_directory(self) -> None:
+        if self._directory is not None:
+            self._directory.release()
+            self._directory = None
 
     # ------------------------------------------------------------------ the writer process
     async def _spawn(self, live_from: int) -> None:
@@ -359,6 +395,7 @@ class CaptureSink:
             flush_ms=self.flush_ms,
             retry_s=self.retry_s,
             drain_timeout_s=self.drain_timeout_s,
+            stitch_grace_ms=self.stitch_grace_ms,
             log_level=logging.getLogger("gateway.capture_writer").getEffectiveLevel(),
         )
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
@@ -390,6 +427,12 @@ class CaptureSink:
             self._writer_up.set()
             if isinstance(message, WriterLog):
                 logging.getLogger(message.name).log(message.level, "%s", message.message)
+            elif isinstance(message, WriterStored):
+                if self.on_stored is not None:
+                    try:
+                        self.on_stored(message.calls)
+                    except Exception:
+                        log.exception("a listener of stored calls failed")
             else:
                 self.writer = message
 
@@ -457,6 +500,7 @@ class CaptureSink:
             "writing": writer.writing,
             "log_unsettled": max(0, self._handed - writer.settled),
             "log_bytes": self.wal.size_bytes(),
+            "directory": str(self.wal.directory.parent),
             "spool_bytes": writer.spool_bytes,
             "database_up": writer.database_up,
         }

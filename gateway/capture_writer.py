@@ -40,7 +40,7 @@ import msgspec
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from storage.calls import write_calls
+from storage.calls import resolve_stitched_episodes, write_calls
 from storage.database import Database
 from storage.records import CallRecord, LoggedCall
 
@@ -81,6 +81,9 @@ class WriterConfig(msgspec.Struct, frozen=True):
     retry_s: float
     drain_timeout_s: float
     log_level: int
+    # A follow-up whose earlier turn is in no stored call yet waits up to this long (since it was answered) for
+    # another replica's writer to store that turn; 0: it starts an episode of its own at once.
+    stitch_grace_ms: float = 0.0
 
 
 class WriterStatus(msgspec.Struct, tag="status"):
@@ -96,6 +99,9 @@ class WriterStatus(msgspec.Struct, tag="status"):
     held: int = 0  # ... that wait in the log for the database now
     spool_bytes: int = 0  # the log bytes of the calls held now
     writing: int = 0  # calls in the batch being written now
+    stitch_held: int = (
+        0  # follow-ups waiting for their earlier turn, stored by another replica (`stitch_grace_ms`)
+    )
     database_up: bool = True
 
 
@@ -107,7 +113,13 @@ class WriterLog(msgspec.Struct, tag="log"):
     message: str
 
 
-WriterMessage = WriterStatus | WriterLog
+class WriterStored(msgspec.Struct, tag="stored"):
+    """Stored calls whose episode the serving process had only provisionally: (call id, final episode id)."""
+
+    calls: list[tuple[str, str]]
+
+
+WriterMessage = WriterStatus | WriterLog | WriterStored
 
 
 class Channel:
@@ -267,6 +279,7 @@ class CaptureWriter:
         self.flush_s = config.flush_ms / 1000
         self.retry_s = config.retry_s
         self.drain_timeout_s = config.drain_timeout_s
+        self.stitch_grace_s = config.stitch_grace_ms / 1000
         self.status = WriterStatus()
         self.tail = LogTail(self.directory, config.live_from)
         self.draining = False
@@ -274,6 +287,9 @@ class CaptureWriter:
         self._decoder = msgspec.json.Decoder(LoggedCall)
         self._pending: deque[_Entry] = deque()
         self._piped_held: list[_Entry] = []  # piped calls that wait for the database (they are in no log)
+        # Follow-ups held back for their earlier turn (`_hold_back`), tried again from `_retry_stitch_at` on.
+        self._stitch_held: list[_Entry] = []
+        self._retry_stitch_at = 0.0
         self._seen = self.tail.position  # every line before it has been read (and counted) once
         self._replay_from: Position | None = None  # the first call not stored when the database went away
         self._outage_at: Position = (-1, 0)  # how far the log was read when it last went away
@@ -325,6 +341,7 @@ class CaptureWriter:
                 else:
                     await asyncio.sleep(_POLL_S)
                 continue
+            self._requeue_stitch_held()
             self._read()
             self._check_ready()
             if self._pending and self._due():
@@ -353,6 +370,14 @@ class CaptureWriter:
                 continue
             self._pending.append(_Entry(record, start, len(line) + 1, start[0] >= self.live_from, again))
         self._seen = max(self._seen, self.tail.position)
+
+    def _requeue_stitch_held(self) -> None:
+        """Held-back follow-ups go first into the next batch once a flush window has passed (at once when
+        draining: the drain settles them)."""
+        if self._stitch_held and (self.draining or time.monotonic() >= self._retry_stitch_at):
+            self._pending.extendleft(reversed(self._stitch_held))
+            self._stitch_held.clear()
+            self.status.stitch_held = 0
 
     def _scan(self) -> None:
         """While the database is down: count what waits in the log, without keeping it in memory."""
@@ -398,6 +423,12 @@ class CaptureWriter:
         batch: list[_Entry] = []
         while self._pending and len(batch) < self.batch_size and self._pending[0].counter == counter:
             batch.append(self._pending.popleft())
+        provisional = {id(e.record) for e in batch if not e.record.episode_resolved and e.record.stitch_keys}
+        if counter == "written" and self.stitch_grace_s > 0 and not self.draining:
+            batch = await self._hold_back(batch)
+            if not batch:
+                self._send()
+                return
         started = time.monotonic()
         self.status.writing = len(batch)
         self._send()
@@ -436,8 +467,38 @@ class CaptureWriter:
                 self._unhold(entry.live, entry.size)
             self.status.settled += entry.live
         if self.status.database_up:
-            self._release(next((entry.start for entry in self._pending if entry.start is not None), None))
+            waiting = (
+                entry.start for entry in [*self._stitch_held, *self._pending] if entry.start is not None
+            )
+            self._release(min(waiting, default=None))
+        settled = [(e.record.id, e.record.episode_id) for e in batch if id(e.record) in provisional]
+        if settled:
+            self.channel.send(WriterStored(settled))
         self._send()
+
+    async def _hold_back(self, batch: list[_Entry]) -> list[_Entry]:
+        """The batch less the follow-ups to keep for a later one: their earlier turn is in no stored call yet
+        and they are younger than the stitch grace period, so another replica's writer may still store it.
+        Stitching them now would start a new episode for the rest of the conversation. Everything else gets its
+        final episode here (one query, which `write_calls` then need not make)."""
+        records = [entry.record for entry in batch]
+        if all(r.episode_resolved or not r.stitch_lookup for r in records):
+            return batch
+        try:
+            async with self.database.session() as session:
+                held = await resolve_stitched_episodes(
+                    session, records, hold_after=time.time() - self.stitch_grace_s
+                )
+        except Exception as exc:  # the write that follows finds out whether the database is down
+            log.warning("could not look up earlier turns of a capture batch: %s", exc)
+            return batch
+        if not held:
+            return batch
+        ids = {id(record) for record in held}
+        self._stitch_held.extend(entry for entry in batch if id(entry.record) in ids)
+        self._retry_stitch_at = time.monotonic() + self.flush_s
+        self.status.stitch_held = len(self._stitch_held)
+        return [entry for entry in batch if id(entry.record) not in ids]
 
     async def _store(self, records: list[CallRecord]) -> int:
         async with self.database.session() as session:
@@ -461,8 +522,10 @@ class CaptureWriter:
         self.status.database_up = False
         self._next_retry = time.monotonic() + self.retry_s
         self._outage_at = self.tail.position
-        entries = [*batch, *self._pending]
+        entries = [*self._stitch_held, *batch, *self._pending]
         self._pending.clear()
+        self._stitch_held.clear()
+        self.status.stitch_held = 0
         logged = [entry.start for entry in entries if entry.start is not None]
         if self._replay_from is None:
             self._replay_from = logged[0] if logged else self.tail.position

@@ -1,7 +1,9 @@
 """The chat-completions service: validate, route, call the engine, normalise, capture.
 
 This is the hot path. Its only I/O besides the engine call is one append to the capture log (a write to the OS,
-no fsync); model resolution and episode stitching are in-memory lookups.
+no fsync); model resolution and episode stitching are in-memory lookups. The one exception is a follow-up turn
+whose earlier turn this process does not know (another replica answered it): its conversation is looked up in
+the database while the engine answers, and the answer waits at most `stitch_lookup_wait_ms` more for it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from gateway.protocol import (
 from gateway.redaction import redact_call
 from gateway.routing import ModelRouter, Route
 from gateway.tracing import TRACE_HEADERS, CallTracer
-from storage.calls import recent_stitch_keys
+from storage.calls import find_stitched_episode, recent_stitch_keys
 from storage.database import Database
 from storage.models import EPISODE_SOURCE_TRAFFIC
 from storage.records import CallRecord, ResponseRecord
@@ -51,6 +53,8 @@ _MAX_GROUP_KEY = 256  # the length of `episodes.group_key` and `calls.group_key`
 _DONE = b"data: [DONE]\n\n"
 # Request fields stored under their own keys; everything else is kept under `params`.
 _STORED_PARAMS = ("messages", "tools", "tool_choice")
+# Database lookups of unknown follow-ups in flight at once; past it, calls are left to the capture writer.
+_MAX_STITCH_LOOKUPS = 4
 
 
 @dataclass
@@ -77,6 +81,8 @@ class CallContext:
     store_response: Callable[[Captured], ResponseRecord | None] | None = None
     # The app's trace context (`traceparent`, `tracestate`), kept only when calls are traced.
     trace_parent: dict[str, str] | None = None
+    # The database lookup of an unknown follow-up's earlier turn, running while the engine answers.
+    stitch_lookup: asyncio.Task[tuple[str, str] | None] | None = None
 
 
 class EventSource(Protocol):
@@ -179,6 +185,8 @@ class ChatService:
         stitch_cache_size: int,
         metrics: CallMetrics | None = None,
         tracer: CallTracer | None = None,
+        database: Database | None = None,
+        stitch_lookup_wait_ms: float = 0.0,
     ) -> None:
         self.engine = engine
         self.router = router
@@ -188,6 +196,12 @@ class ChatService:
         self.stitch = StitchCache(stitch_cache_size)
         self.metrics = metrics
         self.tracer = tracer
+        self.database = database
+        self.stitch_lookup_wait_s = stitch_lookup_wait_ms / 1000
+        self._lookups = 0  # stitch lookups in flight, capped so a burst cannot take the database pool
+        # Calls captured with a provisional episode, until stored: their tails' stitch keys.
+        self._provisional: dict[str, list[str]] = {}
+        sink.on_stored = self._settle_stored
 
     async def warm(self, database: Database) -> None:
         """Load recent conversation tails so stitching survives a restart without a database lookup per call."""
@@ -202,6 +216,55 @@ class ChatService:
         for key, episode_id in keys:
             self.stitch.remember([key], episode_id)
         log.info("stitch cache warmed with %d conversation tails", len(keys))
+
+    # ------------------------------------------------------------------ stitching across replicas
+    def _start_lookup(self, lookup: list[str]) -> asyncio.Task[tuple[str, str] | None] | None:
+        """Look an unknown follow-up's conversation up in the database, in the background; None when the
+        database is known to be down or enough lookups are in flight (the writer resolves the call then)."""
+        if self.database is None or self.stitch_lookup_wait_s <= 0 or not self.sink.database_up:
+            return None
+        if self._lookups >= _MAX_STITCH_LOOKUPS:
+            return None
+        self._lookups += 1
+        task = asyncio.get_running_loop().create_task(self._lookup(lookup))
+        task.add_done_callback(self._lookup_done)
+        return task
+
+    async def _lookup(self, lookup: list[str]) -> tuple[str, str] | None:
+        assert self.database is not None
+        async with self.database.session() as session:
+            return await find_stitched_episode(session, lookup)
+
+    def _lookup_done(self, task: asyncio.Task[tuple[str, str] | None]) -> None:
+        """Remember what a lookup found, also when the call stopped waiting for it."""
+        self._lookups -= 1
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.debug("stitch lookup failed: %s", task.exception())
+            return
+        found = task.result()
+        if found is not None:
+            self.stitch.remember([found[0]], found[1])
+
+    async def _settle_episode(self, ctx: CallContext) -> None:
+        """Take the database's answer for an unknown follow-up, if it comes within the wait."""
+        task, ctx.stitch_lookup = ctx.stitch_lookup, None
+        if task is None:
+            return
+        try:
+            found = await asyncio.wait_for(asyncio.shield(task), self.stitch_lookup_wait_s)
+        except Exception:  # timed out or failed: the capture writer resolves the call instead
+            return
+        if found is not None:
+            ctx.episode_id, ctx.episode_resolved = found[1], True
+
+    def _settle_stored(self, stored: list[tuple[str, str]]) -> None:
+        """The writer stored these calls (call id, final episode id): settle the tails they registered."""
+        for call_id, episode_id in stored:
+            keys = self._provisional.pop(call_id, None)
+            if keys is not None:
+                self.stitch.settle(keys, episode_id)
 
     # ------------------------------------------------------------------ validation
     def prepare(self, raw_body: bytes, headers: Mapping[str, str], principal: Principal) -> CallContext:
@@ -273,7 +336,9 @@ class ChatService:
         episode = assign_episode(header_episode, request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
         group_key = (request.metadata or {}).get("group_key") or _group_key(headers.get("x-kaizen-group-key"))
-        source = headers.get("x-kaizen-source")
+        sent_source = headers.get("x-kaizen-source")
+        source = EPISODE_SOURCE_TRAFFIC if sent_source is None else _source(sent_source, principal)
+        lookup = None if episode.resolved else self._start_lookup(hashes.lookup)
         return CallContext(
             call_id=new_id(),
             client_request_id=supplied if supplied and valid_id(supplied) else None,
@@ -287,7 +352,8 @@ class ChatService:
             started=started,
             principal=principal,
             group_key=group_key,
-            source=EPISODE_SOURCE_TRAFFIC if source is None else _source(source, principal),
+            source=source,
+            stitch_lookup=lookup,
         )
 
     def _check(self, request: ChatCompletionRequest) -> None:
@@ -356,6 +422,7 @@ class ChatService:
         await self._acquire(ctx)
         try:
             raw = await self.engine.chat(self._engine_body(ctx))
+            await self._settle_episode(ctx)
             completion, captured = normalize_completion(
                 raw,
                 response_id=f"chatcmpl-{ctx.call_id}",
@@ -389,6 +456,7 @@ class ChatService:
             self.router.release(ctx.route)
             self._record(ctx, None, status="error", error=exc, ttft=None)
             raise
+        await self._settle_episode(ctx)  # before the headers go out: they name the episode
         include_usage = bool(ctx.request.stream_options and ctx.request.stream_options.include_usage)
         assembler = StreamAssembler(
             response_id=f"chatcmpl-{ctx.call_id}",
@@ -431,13 +499,17 @@ class ChatService:
             )
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
-            self.stitch.remember(stitch_keys, ctx.episode_id)
+            self.stitch.remember(stitch_keys, ctx.episode_id, settled=ctx.episode_resolved)
         stored_response = None
         if ctx.store_response is not None and captured is not None and status == "ok":
             stored_response = ctx.store_response(captured)
         if not ctx.capture:
             self.sink.opt_out()
             return
+        if not ctx.episode_resolved and stitch_keys:
+            if len(self._provisional) >= max(self.stitch.size, 1):
+                self._provisional.clear()  # records that never reach the database must not pile up
+            self._provisional[ctx.call_id] = stitch_keys
         request = ctx.request
         params = {k: v for k, v in ctx.body.items() if k not in _STORED_PARAMS}
         record = CallRecord(

@@ -230,6 +230,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
+    if settings.train_processes > 1:
+        return train_on_several_processes(args, settings)
     engine = None
     if settings.train_sampler == "engine" and settings.engine_sleep_during_training:
         log.info("the engine sleeps while training runs: resampling with the trainer's own model")
@@ -263,6 +265,42 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     for chatty in ("httpx", "openai", "LiteLLM"):  # one line per request would bury the progress
         logging.getLogger(chatty).setLevel(logging.WARNING)
     return run_bootstrap(settings, args)
+
+
+def train_on_several_processes(args: argparse.Namespace, settings: Settings) -> int:
+    """`kaizen train` with KAIZEN_TRAIN_PROCESSES > 1: the scheduler's training child, through torchrun, in the
+    foreground (its exit status is the run's)."""
+    import subprocess
+
+    from gateway.base_models import resolve_base_model
+    from gateway.judge_command import parse_since
+    from gateway.scheduling import child_env, train_command
+    from storage.policies import get_policy
+    from storage.schema import open_database
+
+    async def base_model_of_policy() -> str | None:
+        async with open_database(settings.database_url) as database, database.session() as session:
+            policy = await get_policy(session, args.policy)
+        return policy.base_model if policy is not None else None
+
+    base_model = asyncio.run(base_model_of_policy())
+    if base_model is None:
+        print(f"kaizen train: no policy named {args.policy!r}", file=sys.stderr)
+        return 2
+    argv = [
+        *train_command(settings),
+        "--policy",
+        args.policy,
+        "--base-model",
+        resolve_base_model(base_model, settings.data_dir / "models"),
+    ]
+    if args.since:
+        argv += ["--since", parse_since(args.since).isoformat()]
+    for item in args.set or []:
+        argv += ["--set", item]
+    if args.device:
+        argv += ["--device", args.device]
+    return subprocess.run(argv, env=child_env(settings), check=False).returncode
 
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:

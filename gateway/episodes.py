@@ -3,7 +3,10 @@
 A conversation is hashed message by message in a chain (h_i = H(h_{i-1} || m_i)), so every prefix has a hash
 in one pass. A call registers the hash of `messages + reply` for each of its choices; a later call whose
 messages extend one of those is the same episode. Recent tails live in an in-memory LRU so the request path
-never waits on the database; a miss is resolved by the capture writer against the `stitch_keys` table.
+never waits on the database. Behind a load balancer the earlier turn may have been served by another replica:
+a miss is looked up in the `stitch_keys` table while the engine answers (the chat service), and what is still
+unknown then is resolved by the capture writer, which waits a short grace period for the other replica's
+write. Until then the tail a call registers is provisional: a hit on it does not settle a follow-up's episode.
 """
 
 from __future__ import annotations
@@ -128,34 +131,51 @@ class ConversationHashes:
 
 
 class StitchCache:
-    """Bounded LRU from conversation-tail hash to episode id."""
+    """Bounded LRU from conversation-tail hash to (episode id, settled).
+
+    An entry is unsettled while the call that registered it had no final episode (a provisional id the capture
+    writer may still link to an earlier turn stored by another replica); `settle` makes it final.
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, str] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, bool]] = OrderedDict()
 
-    def find(self, keys: Sequence[str]) -> str | None:
+    def find(self, keys: Sequence[str]) -> tuple[str, bool] | None:
+        """The episode of the longest known tail among `keys`, preferring a settled one; None when unknown."""
+        provisional: str | None = None
         for key in keys:
-            episode = self._items.get(key)
-            if episode is not None:
+            entry = self._items.get(key)
+            if entry is None:
+                continue
+            if entry[1]:
                 self._items.move_to_end(key)
-                return episode
-        return None
+                return entry
+            if provisional is None:
+                provisional = entry[0]
+        return (provisional, False) if provisional is not None else None
 
-    def remember(self, keys: Sequence[str], episode_id: str) -> None:
+    def remember(self, keys: Sequence[str], episode_id: str, settled: bool = True) -> None:
         if self.size == 0:
             return
         for key in keys:
-            self._items[key] = episode_id
+            self._items[key] = (episode_id, settled)
             self._items.move_to_end(key)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
+
+    def settle(self, keys: Sequence[str], episode_id: str) -> None:
+        """The writer decided the episode of the call that registered `keys`: replace provisional entries."""
+        for key in keys:
+            entry = self._items.get(key)
+            if entry is not None and not entry[1]:
+                self._items[key] = (episode_id, True)
 
 
 @dataclass
 class EpisodeAssignment:
     episode_id: str
-    resolved: bool  # final now (explicit or cache hit); otherwise the writer may re-link it
+    resolved: bool  # final now (explicit or a settled cache hit); otherwise the database may still link it
 
 
 def assign_episode(
@@ -173,5 +193,6 @@ def assign_episode(
         return EpisodeAssignment(explicit, True)
     found = cache.find(hashes.lookup)
     if found is not None:
-        return EpisodeAssignment(found, True)
+        # A provisional hit keeps the conversation under one id; the writer links the whole chain.
+        return EpisodeAssignment(found[0], found[1])
     return EpisodeAssignment(new_id(), not hashes.lookup)

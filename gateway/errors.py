@@ -94,6 +94,14 @@ class EngineBadResponse(EngineError):
         super().__init__(f"bad response from the engine: {message}", code="bad_engine_response")
 
 
+class EngineDisconnected(EngineError):
+    """The engine's connection broke, or its stream ended early: the engine died or dropped the call. Nothing
+    of the answer is usable, so a call not yet relayed may go to another engine replica."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_error")
+
+
 class EngineTimeout(EngineError):
     status_code = 504
 

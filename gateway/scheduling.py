@@ -16,6 +16,7 @@ from gateway.base_models import resolve_base_model
 from gateway.judge_command import judge_settings
 from gateway.settings import Settings
 from storage.database import Database
+from trainer.launch import torchrun_command
 from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,11 @@ def gate_url(settings: Settings) -> str:
 
 
 def train_command(settings: Settings) -> list[str]:
-    """argv of the training child (`python -m trainer`, the scheduler adds `--policy` and `--base-model`).
+    """argv of the training child (`python -m trainer`, the scheduler adds `--policy` and `--base-model`), through
+    torchrun when a run uses several processes (`KAIZEN_TRAIN_PROCESSES`).
 
     Secrets stay out of argv: the child reads them from its environment (`child_env`)."""
     argv = [
-        sys.executable,
-        "-m",
-        "trainer",
         "--data-dir",
         str(settings.data_dir.resolve()),
         "--log-level",
@@ -61,7 +60,9 @@ def train_command(settings: Settings) -> list[str]:
     ]
     if settings.train_sampler == "engine" and not settings.engine_sleep_during_training:
         argv += ["--engine-url", gate_url(settings), "--engine-max-n", str(settings.max_n)]
-    return argv
+    if settings.train_processes > 1:
+        return torchrun_command(sys.executable, settings.train_processes, argv)
+    return [sys.executable, "-m", "trainer", *argv]
 
 
 def judge_arguments(settings: Settings) -> list[str]:
@@ -86,9 +87,9 @@ def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerCo
     """`engine_url`: the /v1 URL of this process's vLLM engine. A separate worker has no engine: it uses
     `vllm_url`, or the configured `vllm_port` (with port 0 it cannot know the gateway's pick)."""
     if engine_url is None and settings.engine == "vllm":
-        if settings.vllm_url:
-            engine_url = settings.vllm_url
-        elif settings.vllm_port:
+        if len(settings.vllm_urls) == 1:
+            engine_url = settings.vllm_urls[0]
+        elif settings.vllm_port and settings.vllm_replicas == 1:
             engine_url = f"http://127.0.0.1:{settings.vllm_port}/v1"
     return RunnerConfig(
         data_dir=settings.data_dir,

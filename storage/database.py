@@ -31,16 +31,24 @@ class Database:
     def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
-        # msgspec encodes the JSON columns several times faster than the stdlib json module.
+        # msgspec encodes and decodes the JSON columns several times faster than the stdlib json module.
         kwargs: dict[str, Any] = {
             "pool_pre_ping": True,
             "json_serializer": _json_dumps,
+            "json_deserializer": msgspec.json.decode,
             "use_insertmanyvalues": False,
         }
         if self.is_sqlite:
             kwargs["connect_args"] = {"timeout": 30}
         else:
-            kwargs["connect_args"] = {"timeout": connect_timeout_s, "command_timeout": 30}
+            # No JIT: on a partitioned `calls` the planner prices a lookup per episode as a scan of every day
+            # partition and compiles one function per partition for it, which took 50 s for a query that runs in
+            # 80 ms (measured on 10 million calls over 100 days); Kaizen's queries are short ones.
+            kwargs["connect_args"] = {
+                "timeout": connect_timeout_s,
+                "command_timeout": 30,
+                "server_settings": {"jit": "off"},
+            }
             kwargs["pool_size"] = 5
             kwargs["max_overflow"] = 5
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)

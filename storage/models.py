@@ -72,6 +72,7 @@ class Episode(Base):
     """A trajectory: the calls of one conversation or agent run, in order."""
 
     __tablename__ = "episodes"
+    # The trainer selects a policy's episodes in a window of creation times; the dashboard sorts by reward.
     __table_args__ = (
         Index("ix_episodes_policy_created_at", "policy", "created_at"),
         Index("ix_episodes_reward_created_at", "reward", "created_at"),
@@ -97,11 +98,15 @@ class Episode(Base):
 
 
 class Call(Base):
-    """One chat completion as the client saw it, plus what training needs (token ids, behaviour logprobs)."""
+    """One chat completion as the client saw it, plus what training needs (token ids, behaviour logprobs).
+
+    On PostgreSQL the table is partitioned by day of `created_at` and its primary key is (id, created_at)
+    (revision 0015, `storage.partitions`); ids stay unique because the gateway generates them."""
 
     __tablename__ = "calls"
     __table_args__ = (
         Index("ix_calls_episode_position", "episode_id", "position"),
+        # Retention deletes a policy's calls older than a cut-off.
         Index("ix_calls_policy_created_at", "policy", "created_at"),
     )
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, delete, exists, or_, select, text
+from sqlalchemy import ColumnElement, delete, exists, literal, or_, select, text, true
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
+from storage.calls import CALL_CLOCK_SLACK
 from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey, StoredResponse
 from storage.policies import AdapterInfo, list_adapters
 
@@ -42,28 +43,29 @@ async def prune_calls(session: AsyncSession, policy: str | None, before: datetim
     Rewards and stored responses of what is deleted go with it. Returns (calls, episodes) deleted; the caller
     commits.
     """
-    call_ids = list(
-        (
-            await session.scalars(
-                select(Call.id).where(_owned_by(Call.policy, policy), Call.created_at < before)
-            )
-        ).all()
-    )
+    old = Call.created_at < before  # also keeps PostgreSQL's deletes in the day partitions before `before`
+    call_ids = list((await session.scalars(select(Call.id).where(_owned_by(Call.policy, policy), old))).all())
     for chunk in _chunks(call_ids):
         await session.execute(delete(Reward).where(Reward.call_id.in_(chunk)))
         await session.execute(delete(StoredResponse).where(StoredResponse.call_id.in_(chunk)))
-        await session.execute(delete(Call).where(Call.id.in_(chunk)))
-    episode_ids = list(
-        (
-            await session.scalars(
-                select(Episode.id).where(
-                    _owned_by(Episode.policy, policy),
-                    Episode.created_at < before,
-                    ~exists().where(Call.episode_id == Episode.id),
-                )
+        await session.execute(delete(Call).where(Call.id.in_(chunk), old))
+    candidates = select(Episode.id).where(_owned_by(Episode.policy, policy), Episode.created_at < before)
+    if session.get_bind().dialect.name == "postgresql":
+        # One probe per episode, of the day partitions from its start on: as a NOT EXISTS the planner would hash
+        # every call of the table.
+        probe = (
+            select(literal(1).label("found"))
+            .where(
+                Call.episode_id == Episode.id,
+                Call.created_at >= Episode.created_at - literal(CALL_CLOCK_SLACK),
             )
-        ).all()
-    )
+            .limit(1)
+            .lateral()
+        )
+        candidates = candidates.outerjoin(probe, true()).where(probe.c.found.is_(None))
+    else:
+        candidates = candidates.where(~exists().where(Call.episode_id == Episode.id))
+    episode_ids = list((await session.scalars(candidates)).all())
     for chunk in _chunks(episode_ids):
         await session.execute(delete(Reward).where(Reward.episode_id.in_(chunk)))
         await session.execute(delete(StitchKey).where(StitchKey.episode_id.in_(chunk)))

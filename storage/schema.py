@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import migrations
 from storage.database import Database
+from storage.partitions import ensure_partitions
 
 
 def alembic_config(url: str) -> Config:
@@ -21,6 +24,10 @@ def alembic_config(url: str) -> Config:
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     config.set_main_option("sqlalchemy.url", url)
     return config
+
+
+#: The PostgreSQL advisory lock key that serialises schema upgrades ("kaizen" in ASCII).
+_MIGRATION_LOCK = 0x6B61697A656E
 
 
 async def upgrade_database(url: str, revision: str = "head") -> None:
@@ -32,6 +39,9 @@ async def upgrade_database(url: str, revision: str = "head") -> None:
     engine = create_async_engine(url)
     try:
         async with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                # Replicas started together upgrade one database: one at a time, the others then find it current.
+                await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
 
             def _upgrade(sync_connection: object) -> None:
                 config = alembic_config(url)
@@ -39,6 +49,8 @@ async def upgrade_database(url: str, revision: str = "head") -> None:
                 command.upgrade(config, revision)
 
             await connection.run_sync(_upgrade)
+            # Every start keeps the day partitions of `calls` (PostgreSQL) ready ahead of the clock.
+            await ensure_partitions(connection, datetime.now(UTC).date())
     finally:
         await engine.dispose()
 

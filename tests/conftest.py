@@ -63,7 +63,7 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
             port=0,
             # The scripted upstream as the engine, asked for token ids; no background jobs unless a test asks for
             # them; quick capture unless it asks otherwise. A test may point at its own upstream, not ask it for
-            # token ids, or attach a `vllm` engine to it.
+            # token ids, or attach a `vllm` engine (or engine replicas) to it.
             **{
                 "engine": "upstream",
                 "upstream_token_ids": True,

@@ -30,6 +30,8 @@ from trainer.collapse import (
     measure,
     movement_problems,
 )
+from trainer.distributed import gather_objects, my_micro_batches, share
+from trainer.launch import Ranks
 from trainer.loss import policy_loss, sft_loss
 from trainer.model import LocalSampler, autocast
 from trainer.policy_config import TrainConfig
@@ -94,6 +96,106 @@ def plan_steps(
     return steps
 
 
+@dataclass
+class StepTotals:
+    """What the passes of an update counted on this process: tokens, and metric sums weighted by tokens."""
+
+    loss_tokens: int = 0
+    seen_tokens: int = 0
+    sums: dict[str, float] = field(default_factory=dict)
+    sft_tokens: int = 0  # demonstration tokens, and the sum of their negative log-likelihoods
+    sft_nll: float = 0.0
+
+
+def accumulate_step(
+    model: Any,
+    samples: Sequence[TokenizedSample],
+    window: Sequence[list[int]],
+    cfg: TrainConfig,
+    *,
+    pad_id: int,
+    device: torch.device,
+    old: dict[int, Tensor],
+    first_epoch: bool,
+    totals: StepTotals,
+    sft_weight: float = 1.0,
+    ranks: Ranks | None = None,
+    stop: threading.Event | None = None,
+) -> float:
+    """Forward and backward of one optimizer step's micro-batches (`window`), accumulating gradients.
+
+    Every micro-batch is normalised by the whole step's token count, so the accumulated gradient is the step's
+    whatever the split. With `ranks`, this process runs its share of the micro-batches, and the engine wrapping
+    the model (FSDP or DDP) reduces the gradients over the processes: the same gradient as one process running
+    them all. π_old of a sample is recorded in `old` on its first visit (`first_epoch`). Demonstration samples
+    take the SFT loss (times `sft_weight`) instead of the policy loss. Returns this process's part of the step's
+    policy loss.
+    """
+    normaliser = float(sum(sum(samples[i].loss_mask[1:]) for mb in window for i in mb))
+    # The engine averages gradients over the processes; scaled by their number, the average is the step's sum.
+    scale = float(ranks.world) if ranks is not None else 1.0
+    passes = my_micro_batches(window, ranks) if ranks is not None else list(window)
+    step_loss = 0.0
+    for pass_indices in passes:
+        if stop is not None and stop.is_set():
+            raise Interrupted("training interrupted")
+        # A process with no micro-batch left still runs a pass (the engine's collectives need every process),
+        # weighted zero.
+        indices, weight = (window[0], 0.0) if pass_indices is None else (pass_indices, scale)
+        batch = collate([samples[i] for i in indices], pad_id).to(device)
+        start = _first_loss_column(batch)
+        logprobs = _forward_logprobs(model, batch, device, start)
+        old_lp = None
+        if first_epoch:
+            for row, index in enumerate(indices):
+                full = torch.zeros(batch.input_ids.shape[1])
+                full[start:] = logprobs[row].detach().cpu()
+                old[index] = full
+        else:
+            old_lp = _stack_old(old, indices, batch.input_ids.shape)[:, start:].to(device)
+        ref = None
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), peft_model(model).disable_adapter():
+                ref = _forward_logprobs(model, batch, device, start)
+        mask = batch.loss_mask[:, start:]
+        imitate = batch.demonstrations.unsqueeze(-1)
+        out = policy_loss(
+            logprobs,
+            old_lp,
+            batch.behaviour_logprobs[:, start:],
+            batch.advantages,
+            mask & ~imitate,
+            mode=cfg.loss_mode,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            tis_cap=cfg.tis_cap,
+            ref_logprobs=ref,
+            kl_coef=cfg.kl_coef,
+            normaliser=normaliser,
+        )
+        loss = out.loss
+        sft = None
+        if bool(batch.demonstrations.any()):
+            sft = sft_loss(logprobs, mask & imitate, weight=sft_weight, normaliser=normaliser)
+            loss = loss + sft.loss
+        (loss * weight).backward()  # type: ignore[no-untyped-call]
+        if not weight:
+            continue
+        if sft is not None:
+            totals.sft_tokens += sft.num_tokens
+            totals.sft_nll += float(sft.mean_nll) * sft.num_tokens
+        n = out.num_tokens
+        totals.loss_tokens += n
+        totals.seen_tokens += int(batch.attention_mask.sum())
+        for name, value in out.metrics().items() if n else ():
+            if name == "loss":
+                totals.sums["loss"] = totals.sums.get("loss", 0.0) + value * normaliser
+                step_loss += value  # each micro-batch's loss is already over the step's tokens
+            elif name != "num_tokens":
+                totals.sums[name] = totals.sums.get(name, 0.0) + value * n
+    return step_loss
+
+
 def run_update(
     model: Any,
     samples: Sequence[TokenizedSample],
@@ -104,11 +206,13 @@ def run_update(
     collapse_check: CollapseCheck | None = None,
     stop: threading.Event | None = None,
     sft_weight: float = 1.0,
+    ranks: Ranks | None = None,
 ) -> UpdateResult:
     """Optimise the adapter on `samples`; stops early when `collapse_check` reports violated bounds.
 
     Demonstration samples carry the SFT loss times `sft_weight`; the others the policy loss. Both share one
-    token-level mean per optimizer step."""
+    token-level mean per optimizer step. With `ranks` (several training processes, `trainer.distributed`), every
+    process runs this with the same samples and takes its share of every step (`accumulate_step`)."""
     if not samples:
         raise ValueError("no samples to train on")
     torch.manual_seed(cfg.seed)
@@ -118,83 +222,44 @@ def run_update(
     model.train()
     result = UpdateResult()
     old: dict[int, Tensor] = {}
-    sums: dict[str, float] = {}
-    loss_tokens = 0
-    sft_tokens = 0
-    sft_nll = 0.0
-    seen_tokens = 0
+    totals = StepTotals()
     started = time.perf_counter()
     total_steps = math.ceil(len(samples) / (cfg.micro_batch_size * cfg.grad_accumulation)) * cfg.epochs
     lengths = [len(s.input_ids) for s in samples]
     for epoch in range(cfg.epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist()
+        order = torch.randperm(len(samples), generator=generator).tolist()  # the same on every process
         for window in plan_steps(order, lengths, cfg.micro_batch_size, cfg.grad_accumulation):
-            normaliser = float(sum(sum(samples[i].loss_mask[1:]) for mb in window for i in mb))
-            step_loss = 0.0
-            for indices in window:
-                if stop is not None and stop.is_set():
-                    raise Interrupted("training interrupted")
-                batch = collate([samples[i] for i in indices], pad_id).to(device)
-                start = _first_loss_column(batch)
-                logprobs = _forward_logprobs(model, batch, device, start)
-                old_lp = None
-                if epoch == 0:
-                    for row, index in enumerate(indices):
-                        full = torch.zeros(batch.input_ids.shape[1])
-                        full[start:] = logprobs[row].detach().cpu()
-                        old[index] = full
-                else:
-                    old_lp = _stack_old(old, indices, batch.input_ids.shape)[:, start:].to(device)
-                ref = None
-                if cfg.kl_coef > 0:
-                    with torch.no_grad(), model.disable_adapter():
-                        ref = _forward_logprobs(model, batch, device, start)
-                mask = batch.loss_mask[:, start:]
-                imitate = batch.demonstrations.unsqueeze(-1)
-                out = policy_loss(
-                    logprobs,
-                    old_lp,
-                    batch.behaviour_logprobs[:, start:],
-                    batch.advantages,
-                    mask & ~imitate,
-                    mode=cfg.loss_mode,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    tis_cap=cfg.tis_cap,
-                    ref_logprobs=ref,
-                    kl_coef=cfg.kl_coef,
-                    normaliser=normaliser,
-                )
-                loss = out.loss
-                if bool(batch.demonstrations.any()):
-                    sft = sft_loss(logprobs, mask & imitate, weight=sft_weight, normaliser=normaliser)
-                    loss = loss + sft.loss
-                    sft_tokens += sft.num_tokens
-                    sft_nll += float(sft.mean_nll) * sft.num_tokens
-                loss.backward()  # type: ignore[no-untyped-call]
-                n = out.num_tokens
-                loss_tokens += n
-                seen_tokens += int(batch.attention_mask.sum())
-                for name, value in out.metrics().items() if n else ():
-                    if name == "loss":
-                        sums["loss"] = sums.get("loss", 0.0) + value * normaliser
-                        step_loss += value  # each micro-batch's loss is already over the step's tokens
-                    elif name != "num_tokens":
-                        sums[name] = sums.get(name, 0.0) + value * n
+            step_loss = accumulate_step(
+                model,
+                samples,
+                window,
+                cfg,
+                pad_id=pad_id,
+                device=device,
+                old=old,
+                first_epoch=epoch == 0,
+                totals=totals,
+                sft_weight=sft_weight,
+                ranks=ranks,
+                stop=stop,
+            )
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             result.steps += 1
             result.history.append({"step": result.steps, "loss": step_loss, "grad_norm": float(grad_norm)})
             elapsed = time.perf_counter() - started
-            logger.info(
+            logger.log(
+                logging.INFO if ranks is None or ranks.main else logging.DEBUG,
                 "step %d/%d %s%s  grad_norm %.3f  tokens/s %.0f",
                 result.steps,
                 total_steps,
-                f" loss {sums.get('loss', 0.0) / loss_tokens:.4f}" if loss_tokens else "",
-                f"  sft_nll {sft_nll / sft_tokens:.4f}" if sft_tokens else "",
+                f" loss {totals.sums.get('loss', 0.0) / totals.loss_tokens:.4f}"
+                if totals.loss_tokens
+                else "",
+                f"  sft_nll {totals.sft_nll / totals.sft_tokens:.4f}" if totals.sft_tokens else "",
                 float(grad_norm),
-                seen_tokens / max(elapsed, 1e-9),
+                totals.seen_tokens / max(elapsed, 1e-9),
             )
             every = cfg.collapse_check_every
             if (
@@ -204,24 +269,50 @@ def run_update(
                 and result.steps < total_steps
             ):
                 problems = collapse_check(result.steps)
+                if ranks is not None:  # every process stops where rank 0's check says so
+                    problems = share(problems, ranks) or []
                 if problems:
                     result.stopped_early, result.problems = True, problems
                     logger.warning("stopping early at step %d: %s", result.steps, "; ".join(problems))
                     break
         if result.stopped_early:
             break
+        if ranks is not None and epoch == 0 and cfg.epochs > 1:
+            # Later epochs may deal a sample to another process: every process gets every π_old.
+            for part in gather_objects(old, ranks):
+                old.update(part)
     elapsed = time.perf_counter() - started
+    if ranks is not None:
+        totals = merge_totals(gather_objects(totals, ranks))
     result.metrics = {
         "steps": float(result.steps),
-        "loss_tokens": float(loss_tokens),
-        "tokens": float(seen_tokens),
+        "loss_tokens": float(totals.loss_tokens),
+        "tokens": float(totals.seen_tokens),
         "update_s": elapsed,
-        "tokens_per_s": seen_tokens / max(elapsed, 1e-9),
-        **{name: value / max(loss_tokens, 1) for name, value in sums.items()},
+        "tokens_per_s": totals.seen_tokens / max(elapsed, 1e-9),
+        **{name: value / max(totals.loss_tokens, 1) for name, value in totals.sums.items()},
     }
-    if sft_tokens:
-        result.metrics.update(sft_tokens=float(sft_tokens), sft_nll=sft_nll / sft_tokens)
+    if totals.sft_tokens:
+        result.metrics.update(sft_tokens=float(totals.sft_tokens), sft_nll=totals.sft_nll / totals.sft_tokens)
     return result
+
+
+def merge_totals(parts: Sequence[StepTotals]) -> StepTotals:
+    """The processes' counts together."""
+    merged = StepTotals()
+    for part in parts:
+        merged.loss_tokens += part.loss_tokens
+        merged.seen_tokens += part.seen_tokens
+        merged.sft_tokens += part.sft_tokens
+        merged.sft_nll += part.sft_nll
+        for name, value in part.sums.items():
+            merged.sums[name] = merged.sums.get(name, 0.0) + value
+    return merged
+
+
+def peft_model(model: Any) -> Any:
+    """The PEFT model inside a DDP wrapper (FSDP keeps the model's own class and methods)."""
+    return getattr(model, "module", model)
 
 
 def _stack_old(old: dict[int, Tensor], indices: list[int], shape: torch.Size) -> Tensor:
@@ -254,15 +345,20 @@ class CollapseMonitor:
         device: torch.device,
         bounds: CollapseBounds,
         score: ScoreReplies | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
-        self.model = model
+        self.model = peft_model(model)
         self.tokenizer = tokenizer
         self.contexts = list(contexts)[: cfg.collapse_prompts]
         self.cfg = cfg
         self.device = device
         self.bounds = bounds
         self.score = score
-        self.sampler = LocalSampler(model, tokenizer, device, max_new_tokens=cfg.collapse_max_new_tokens)
+        self.ranks = ranks
+        self.sampler = LocalSampler(self.model, tokenizer, device, max_new_tokens=cfg.collapse_max_new_tokens)
+        # With FSDP every process takes part in every forward pass: they all sample the same replies (same seed)
+        # and generate until the last of them is done.
+        self.sampler.synced = ranks is not None
         self.baseline: CollapseSignals | None = None
         self.history: list[dict[str, Any]] = []
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -282,6 +378,8 @@ class CollapseMonitor:
                     param.copy_(value)
 
     def measure(self) -> CollapseSignals:
+        if self.ranks is not None:
+            torch.manual_seed(self.cfg.seed + len(self.history))
         replies: list[str] = []
         asked: list[int] = []  # the context each reply answers
         rewards: list[float] = []

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,11 +29,14 @@ from trainer.dataset import DataReport, TrainingExample, build_example, select_e
 from trainer.engine_sampling import EngineEndpoint
 from trainer.gate import is_held_out
 from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
-from trainer.policy_config import PolicyConfig, load_policy_config
+from trainer.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported by the training phase only, never by the job's callers
+    from trainer.distributed import Followers
     from trainer.grpo import ScoreReplies
+    from trainer.launch import Ranks
+    from trainer.sft import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ class TrainRequest:
     #: of what is served), or None for the trainer's own copy of the adapter (`LocalSampler`).
     sampler: EngineEndpoint | None = None
     device: str | None = None
+    #: This process is rank 0 of several training processes (torchrun); the others run `follow`.
+    followers: Followers | None = None
 
 
 @dataclass
@@ -84,7 +90,8 @@ async def _load_trajectories(
         kept = [e for e in episodes if not is_held_out(e.group_key or e.id, holdout)]
         report.add("held_out_for_gate", len(episodes) - len(kept))
         episodes = kept
-        calls = await episode_calls(session, [e.id for e in episodes])
+        first = min((e.created_at for e in episodes), default=None)
+        calls = await episode_calls(session, [e.id for e in episodes], since=first)
     trajectories = []
     for episode in episodes:
         trajectory = build_example(episode, calls.get(episode.id, []), report)
@@ -189,9 +196,9 @@ async def _train(
 ) -> TrainOutcome:
     import torch
 
-    from trainer.grpo import CollapseMonitor
+    from trainer.grpo import peft_model
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
-    from trainer.sft import demonstrations, load_vouched, plan_phases, run_phases
+    from trainer.sft import demonstrations, load_vouched, plan_phases
     from trainer.tokens import tokenize
 
     cfg = config.train
@@ -215,10 +222,12 @@ async def _train(
             )
             await session.commit()
 
+    ranks = request.followers.ranks if request.followers is not None else None
     vouched = []
     if cfg.mode != "grpo":
         vouched = await load_vouched(db, policy.name, cfg, since, until, report)
     if not trajectories and not vouched:
+        await _tell_followers(None, request.followers)
         empty = {"data": report.as_dict(), "wall_s": time.perf_counter() - started}
         await finish("skipped", empty, error="no rewarded trajectories in the window")
         return TrainOutcome(run_id, "skipped", None, None, empty, "no rewarded trajectories in the window")
@@ -229,6 +238,10 @@ async def _train(
             active = await get_adapter(session, policy.id, policy.active_version)
         adapter_path = active.path if active is not None else None
     device = torch.device(request.device) if request.device else pick_device()
+    if ranks is not None:
+        device = torch.device("cuda", ranks.local_rank) if device.type == "cuda" else device
+    loading = ("load", request.base_model_path, adapter_path, cfg.model_dump(mode="json"))
+    await _tell_followers(loading, request.followers)
     model, tokenizer = await asyncio.to_thread(
         load_policy, request.base_model_path, adapter_path, cfg, device
     )
@@ -278,6 +291,7 @@ async def _train(
             "grpo": "no group with reward variance",
             "sft": f"no demonstrations (no reply reached sft_min_reward {cfg.sft_min_reward})",
         }.get(cfg.mode, "no group with reward variance and no demonstrations")
+        await _tell_followers(None, request.followers)
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
         await finish("skipped", metrics, error=reason)
         return TrainOutcome(run_id, "skipped", None, None, metrics, reason)
@@ -288,15 +302,10 @@ async def _train(
         contexts = [(e.context, e.tools) for e in demonstrated]
         originals = [(e.context, e.reply) for e in demonstrated]
     score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
-    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
-
-    def update() -> Any:
-        monitor.start()
-        return run_phases(
-            model, phases, monitor, pad_id=int(tokenizer.pad_token_id), device=device, stop=stop
-        )
-
-    result = await asyncio.to_thread(update)
+    await _tell_followers(("train", phases, contexts), request.followers)
+    result, monitor, model, state = await asyncio.to_thread(
+        update_together, model, tokenizer, phases, contexts, cfg, device, ranks, stop, score
+    )
     metrics.update(result.metrics)
     metrics.update(
         data=report.as_dict(),
@@ -319,7 +328,7 @@ async def _train(
     async with db.session() as session:
         version = await next_version(session, policy.id)
     target = adapter_dir(request.data_dir, policy.name, version)
-    await asyncio.to_thread(save_adapter, model, target)
+    await asyncio.to_thread(save_adapter, peft_model(model), target, state)
     async with db.session() as session:
         await add_adapter(
             session,
@@ -347,3 +356,65 @@ async def _train(
         metrics["wall_s"],
     )
     return TrainOutcome(run_id, "succeeded", version, str(target), metrics)
+
+
+def update_together(
+    model: Any,
+    tokenizer: Any,
+    phases: Sequence[Phase],
+    contexts: list[tuple[list[dict[str, Any]], list[Any] | None]],
+    cfg: TrainConfig,
+    device: Any,
+    ranks: Ranks | None,
+    stop: threading.Event | None,
+    score: ScoreReplies | None = None,
+) -> tuple[Any, Any, Any, dict[str, Any] | None]:
+    """The update's phases (with their collapse checks), run by every training process alike: (result, monitor,
+    model, the trainable weights gathered from every process or None when one process trained alone).
+
+    Everything here is collective under several processes, in the same order on each of them. Only rank 0 has
+    the scorer; its checks' verdicts are shared with the others."""
+    from trainer.distributed import full_trainable_state, shard
+    from trainer.grpo import CollapseMonitor
+    from trainer.sft import run_phases
+
+    if ranks is not None:
+        model = shard(model, cfg.sharding, device)
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score, ranks=ranks)
+    monitor.start()
+    result = run_phases(
+        model, phases, monitor, pad_id=int(tokenizer.pad_token_id), device=device, stop=stop, ranks=ranks
+    )
+    state = full_trainable_state(model) if ranks is not None and not result.stopped_early else None
+    return result, monitor, model, state
+
+
+async def _tell_followers(message: Any, followers: Followers | None) -> None:
+    """Send the other training processes what to do next (None: nothing, the run ends)."""
+    if followers is not None:
+        await asyncio.to_thread(followers.tell, message)
+
+
+def follow(ranks: Ranks, device_name: str | None = None) -> None:
+    """A training process other than rank 0: load what rank 0 loads, train on the samples it sends, hand the
+    weights back. It never touches the database; rank 0 holds the lock and records the run."""
+    import torch
+
+    from trainer.distributed import share
+    from trainer.model import load_policy, pick_device
+    from trainer.policy_config import TrainConfig
+
+    device = torch.device(device_name) if device_name else pick_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+    told = share(None, ranks)
+    if told is None:
+        return
+    _, base_model_path, adapter_path, dumped = told
+    cfg = TrainConfig.model_validate(dumped)
+    model, tokenizer = load_policy(base_model_path, adapter_path, cfg, device)
+    told = share(None, ranks)
+    if told is None:
+        return
+    _, phases, contexts = told
+    update_together(model, tokenizer, phases, contexts, cfg, device, ranks, None)

@@ -119,14 +119,16 @@ def _keep_lora_inputs_in_bf16(model: Any) -> None:
             module.cast_input_dtype_enabled = False  # type: ignore[attr-defined]
 
 
-def save_adapter(model: Any, target: Path) -> None:
-    """Write the adapter to a temporary sibling and rename it into place, so no half-written version is visible."""
+def save_adapter(model: Any, target: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter to a temporary sibling and rename it into place, so no half-written version is visible.
+
+    `state_dict`: the trainable weights gathered from every training process, for a sharded model."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         raise FileExistsError(f"adapter directory {target} already exists")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model.save_pretrained(str(tmp))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         tmp.chmod(0o755)
         os.rename(tmp, target)
     finally:
@@ -141,6 +143,8 @@ class LocalSampler:
 
     #: One model, one generate call at a time.
     max_concurrency = 1
+    #: Several training processes sample in lockstep (a sharded model needs all of them for every token).
+    synced = False
 
     def __init__(
         self,
@@ -167,11 +171,19 @@ class LocalSampler:
         # In a worker thread: generation blocks for seconds, and the run's lock heartbeat must keep beating.
         return (await asyncio.to_thread(self.sample_many, [(messages, tools)], n))[0]
 
-    @torch.inference_mode()
     def sample_many(
         self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int
     ) -> list[list[Sample]]:
-        """`n` replies to each context in one left-padded generate call (per-step overhead dominates on CPU)."""
+        """`n` replies to each context in one left-padded generate call (per-step overhead dominates on CPU).
+
+        No autograd either way; not inference mode when synced: a sharded model's gathered weights are buffers
+        that training writes into afterwards, which inference tensors refuse."""
+        with torch.no_grad() if self.synced else torch.inference_mode():
+            return self._sample_many(contexts, n)
+
+    def _sample_many(
+        self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int
+    ) -> list[list[Sample]]:
         if n <= 0 or not contexts:
             return [[] for _ in contexts]
         prompts = [self.prompt_ids(messages, tools) for messages, tools in contexts]
@@ -195,6 +207,7 @@ class LocalSampler:
                     output_scores=True,
                     return_dict_in_generate=True,
                     pad_token_id=pad,
+                    synced_gpus=self.synced,
                 )
         finally:
             self.model.train(was_training)

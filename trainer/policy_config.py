@@ -260,6 +260,11 @@ class TrainConfig(_Section):
         SCALE_BY_STD_DEFAULT, description="Divide advantages by the group's std (off: Dr. GRPO)."
     )
     seed: int = Field(0, description="Seeds sampling, shuffling and LoRA init.")
+    sharding: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="With several training processes (KAIZEN_TRAIN_PROCESSES, or torchrun): `fsdp` shards the "
+        "frozen base across them (a base too big for one GPU), `ddp` gives each a whole copy (faster when it fits).",
+    )
 
     # --- what went well: supervised fine-tuning on demonstrations (trainer/sft.py)
     mode: TrainMode = Field(

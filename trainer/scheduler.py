@@ -41,6 +41,7 @@ from storage.jobs import (
     update_run,
 )
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
+from storage.partitions import DroppedDays, drop_expired_partitions, ensure_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import last_data_cutoff
@@ -53,11 +54,17 @@ from trainer.scoring import Scorer
 logger = logging.getLogger(__name__)
 
 JobKind = Literal["judge", "train", "retention"]
+#: The job lock of the retention of calls no policy owns ('/' cannot be in a policy's name).
+UNOWNED_RETENTION_LOCK = "/retention"
 JOB_KINDS: tuple[JobKind, ...] = ("judge", "train", "retention")
 
 
 class JobBusy(RuntimeError):
     """Another job of the policy holds its lock (in this process or another)."""
+
+
+class JobAlreadyRan(JobBusy):
+    """A run of this job started in the same slot of its schedule already (another replica's scheduler)."""
 
 
 @dataclass(frozen=True)
@@ -121,17 +128,23 @@ class JobRunner:
 
         `options` only apply to a train job."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, options))
+        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, None, options))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: _forward_failure(t, announced))
         return await asyncio.shield(announced)
 
-    async def run(self, policy: str, kind: JobKind, trigger: str = "manual") -> RunInfo | None:
-        """Run a job to its end; None when another job of the policy holds the lock."""
+    async def run(
+        self, policy: str, kind: JobKind, trigger: str = "manual", slot_start: datetime | None = None
+    ) -> RunInfo | None:
+        """Run a job to its end; None when another job of the policy holds the lock, or when `slot_start` is
+        given and a run of this kind started at or after it (the slot's run happened elsewhere already)."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         try:
-            run_id = await self._execute(policy, kind, trigger, announced)
+            run_id = await self._execute(policy, kind, trigger, announced, slot_start)
+        except JobAlreadyRan:
+            logger.info("%s job of %s skipped: it ran in this slot of its schedule already", kind, policy)
+            return None
         except JobBusy:
             logger.info("%s job of %s skipped: another job of the policy is running", kind, policy)
             return None
@@ -153,6 +166,7 @@ class JobRunner:
         kind: JobKind,
         trigger: str,
         announced: asyncio.Future[int],
+        slot_start: datetime | None,
         options: TrainOptions | None = None,
     ) -> int:
         def announce(run_id: int) -> None:
@@ -169,6 +183,12 @@ class JobRunner:
             if not await acquire_lock(session, name, owner, kind, ttl):
                 raise JobBusy(f"a job of policy {name!r} is already running")
         try:
+            if slot_start is not None:
+                # Under the lock, so no other replica's run of this slot can start meanwhile.
+                async with self.database.session() as session:
+                    last = await last_run_at(session, policy.id, kind)
+                if last is not None and last >= slot_start:
+                    raise JobAlreadyRan(f"the {kind} job of {name!r} ran at {last.isoformat()}")
             jobs: dict[str, Callable[[PolicyInfo, str, Callable[[int], None]], Awaitable[int]]] = {
                 "judge": self._judge,
                 "train": functools.partial(self._train, owner=owner, options=options or TrainOptions()),
@@ -218,6 +238,7 @@ class JobRunner:
         announce(run_id)
         try:
             config = load_policy_config(policy.config).schedule.retention
+            days = await self._drop_expired_days()
             calls = episodes = 0
             async with self.database.session() as session:
                 fresh = await get_policy(session, policy.name)
@@ -234,7 +255,15 @@ class JobRunner:
             logger.exception("retention job of %s failed", policy.name)
             await self._finish(run_id, "failed", error=repr(exc)[:4000])
             return run_id
-        metrics = {"calls": calls, "episodes": episodes, "versions": [a.version for a in pruned]}
+        metrics = {
+            "calls": calls,
+            "episodes": episodes,
+            "versions": [a.version for a in pruned],
+            # Whole days dropped on the way, whoever's calls they held (each past its own owner's retention).
+            "dropped_days": days.partitions,
+            "dropped_day_calls": days.calls,
+            "dropped_day_episodes": days.episodes,
+        }
         logger.info("retention of %s: %s", policy.name, metrics)
         await self._finish(run_id, "succeeded", metrics=metrics)
         return run_id
@@ -246,18 +275,49 @@ class JobRunner:
         """
         if self.config.retention_calls_days <= 0:
             return 0, 0
+        days = await self._drop_expired_days()
         cutoff = _now() - timedelta(days=self.config.retention_calls_days)
         async with self.database.session() as session:
             calls, episodes = await prune_calls(session, None, cutoff)
             await session.commit()
+        calls, episodes = calls + days.calls, episodes + days.episodes
         async with self.database.session() as session:
             await checkpoint_wal(session)
         logger.info("retention of calls no policy owns: %d calls, %d episodes deleted", calls, episodes)
         return calls, episodes
 
+    async def _drop_expired_days(self) -> DroppedDays:
+        """PostgreSQL: drop the day partitions of `calls` whose every call is past its owner's retention, before
+        the row-by-row deletes (which then find little left)."""
+        now = _now()
+        async with self.database.session() as session:
+            cutoffs: dict[str, datetime | None] = {}
+            for policy in await list_policies(session):
+                try:
+                    days = load_policy_config(policy.config).schedule.retention.calls_days
+                except InvalidPolicyConfig:
+                    days = None  # unreadable: keep its calls
+                cutoffs[policy.name] = now - timedelta(days=days) if days is not None else None
+        unowned_days = self.config.retention_calls_days
+        unowned = now - timedelta(days=unowned_days) if unowned_days > 0 else None
+        async with self.database.engine.connect() as connection:
+            return await drop_expired_partitions(connection, cutoffs, unowned)
+
     async def scheduled_prune(self) -> None:
-        """`prune_unowned_calls` on its cron: a failure is logged, the next run retries."""
+        """`prune_unowned_calls` on its cron, once per firing across every replica: the first scheduler to fire
+        takes a lock that it keeps until the next firing, so the others skip this one. A failure is logged, the
+        next firing retries."""
+        assert self.config.retention_cron is not None
+        now = _now()
+        following = parse_cron(self.config.retention_cron).get_next_fire_time(
+            None, now + timedelta(seconds=1)
+        )
+        hold_s = max((following - now).total_seconds() - 1.0, 1.0) if following is not None else 3600.0
         try:
+            async with self.database.session() as session:
+                if not await acquire_lock(session, UNOWNED_RETENTION_LOCK, lock_owner(), "retention", hold_s):
+                    logger.info("retention of calls no policy owns ran elsewhere for this firing")
+                    return
             await self.prune_unowned_calls()
         except Exception:
             logger.exception("retention of calls no policy owns failed")
@@ -479,12 +539,41 @@ def catch_up_time(last: datetime | None, now: datetime, interval_s: float) -> da
     return max(now, last + timedelta(seconds=interval_s))
 
 
-def cron_missed(expression: str, last: datetime | None, now: datetime) -> bool:
-    """True when the cron fired at least once between the last run and now (the process was down)."""
+def missed_fire_time(expression: str, last: datetime | None, now: datetime) -> datetime | None:
+    """The first time the cron fired after the last run, when that is before now (the process was down)."""
     if last is None:
-        return False
+        return None
     following = parse_cron(expression).get_next_fire_time(None, last + timedelta(seconds=1))
-    return following is not None and following <= now
+    return following if following is not None and following <= now else None
+
+
+def previous_fire_time(expression: str, now: datetime, lookback_s: float) -> datetime | None:
+    """The cron's latest firing at or before `now`, looking back at most `lookback_s`."""
+    trigger = parse_cron(expression)
+    latest = None
+    moment = trigger.get_next_fire_time(None, now - timedelta(seconds=lookback_s))
+    while moment is not None and moment <= now:
+        latest = moment
+        moment = trigger.get_next_fire_time(latest, latest + timedelta(seconds=1))
+    return latest
+
+
+def schedule_slot(config: ScheduleConfig, kind: JobKind, trigger: str, now: datetime) -> datetime | None:
+    """Since when a run of `kind` counts as this firing's run: every replica's scheduler fires each job, and
+    the first to take the policy's lock runs it; the others find a run started in the slot and skip.
+
+    An interval job's slot is the last half interval (replicas fire at their own phases), a cron job's starts
+    at the cron's latest firing. Threshold and manual runs have none (the threshold is re-counted).
+    """
+    if trigger == "interval" and kind == "judge" and config.judge_interval_s is not None:
+        return now - timedelta(seconds=config.judge_interval_s / 2)
+    if trigger in ("cron", "catch-up"):
+        cron = (
+            config.train_cron if kind == "train" else config.retention.cron if kind == "retention" else None
+        )
+        if cron is not None:
+            return previous_fire_time(cron, now, config.misfire_grace_s + 60)
+    return None
 
 
 class PolicyScheduler:
@@ -515,7 +604,20 @@ class PolicyScheduler:
                 parse_cron(self.runner.config.retention_cron),
                 id="kaizen:retention",
             )
+        self._scheduler.add_job(
+            self.create_partitions, "interval", hours=6, id="kaizen:partitions", next_run_time=_now()
+        )
         logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
+
+    async def create_partitions(self) -> None:
+        """PostgreSQL: keep the day partitions of `calls` ready ahead of the clock (a long-running process never
+        re-runs its start-up's creation). Idempotent; every replica's scheduler may run it."""
+        try:
+            async with self.database.engine.connect() as connection:
+                await ensure_partitions(connection, _now().date())
+                await connection.commit()
+        except Exception:
+            logger.exception("could not create the coming days' call partitions")
 
     async def stop(self) -> None:
         if self._scheduler is not None:
@@ -590,11 +692,12 @@ class PolicyScheduler:
             self._scheduler.add_job(
                 self.fire, parse_cron(cron), args=[policy, kind, "cron"], id=f"{policy}:{kind}", **common
             )
-            if cron_missed(cron, last[kind], now):
+            missed = missed_fire_time(cron, last[kind], now)
+            if missed is not None:
                 self._scheduler.add_job(
                     self.fire,
                     "date",
-                    args=[policy, kind, "catch-up"],
+                    args=[policy, kind, "catch-up", missed],
                     id=f"{policy}:{kind}:catch-up",
                     run_date=now,
                     **common,
@@ -610,14 +713,21 @@ class PolicyScheduler:
                 **common,
             )
 
-    async def fire(self, policy: str, kind: JobKind, trigger: str) -> None:
-        """A scheduled run: skipped when the policy was paused since the last sync or another job runs."""
+    async def fire(
+        self, policy: str, kind: JobKind, trigger: str, slot_start: datetime | None = None
+    ) -> None:
+        """A scheduled run: skipped when the policy was paused since the last sync, another job runs, or another
+        replica's scheduler ran this slot of the schedule already (`schedule_slot`)."""
         try:
             async with self.database.session() as session:
                 info = await get_policy(session, policy)
-            if info is None or load_policy_config(info.config).schedule.paused:
+            if info is None:
                 return
-            await self.runner.run(policy, kind, trigger)
+            config = load_policy_config(info.config).schedule
+            if config.paused:
+                return
+            slot = slot_start or schedule_slot(config, kind, trigger, _now())
+            await self.runner.run(policy, kind, trigger, slot)
         except Exception:
             logger.exception("scheduled %s job of %s failed", kind, policy)
 

@@ -29,6 +29,7 @@ from storage.database import Database
 from storage.training import episode_calls, unrewarded_episodes
 from trainer.batch import TokenizedSample
 from trainer.dataset import DataReport, TrainingExample, build_example
+from trainer.distributed import share
 from trainer.grpo import CollapseMonitor, UpdateResult, run_update
 from trainer.policy_config import TrainConfig
 from trainer.tokens import tokenize
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from trainer.grouping import Group
+    from trainer.launch import Ranks
 
 #: A context and its tools, as the collapse checks sample them.
 Context = tuple[list[dict[str, Any]], list[Any] | None]
@@ -208,10 +210,12 @@ def run_phases(
     *,
     pad_id: int,
     device: torch.device,
-    stop: threading.Event,
+    stop: threading.Event | None,
+    ranks: Ranks | None = None,
 ) -> UpdateResult:
     """Run the phases in order under one collapse monitor (its steps counted across phases); a phase that stops
-    early stops the run, and the final check follows the last phase."""
+    early stops the run, and the final check follows the last phase. With `ranks`, every training process runs
+    this alike, and rank 0's verdict of the final check is everyone's."""
     merged = PhaseMetrics()
     done = 0
     result = UpdateResult()
@@ -230,6 +234,7 @@ def run_phases(
             collapse_check=check,
             stop=stop,
             sft_weight=phase.sft_weight,
+            ranks=ranks,
         )
         done += result.steps
         merged.add(phase.name, result.metrics)
@@ -237,6 +242,8 @@ def run_phases(
             break
     if not result.stopped_early:
         problems = monitor(done)
+        if ranks is not None:
+            problems = share(problems, ranks) or []
         if problems:
             result.stopped_early, result.problems = True, problems
     result.steps = done

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.policies import get_policy
@@ -27,9 +27,13 @@ from storage.schema import upgrade_database
 from trainer.engine_sampling import EngineEndpoint
 from trainer.grouping import PolicyReplyScorer
 from trainer.job import TrainOutcome, TrainRequest, run_training
+from trainer.launch import ranks_from_environment
 from trainer.rewards import policy_reward_config
 from trainer.ruler import JudgeSettings
 from trainer.scoring import Scorer
+
+if TYPE_CHECKING:
+    from trainer.distributed import Followers
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +58,11 @@ class TrainingInputs:
     device: str | None = None
 
 
-async def train_policy(inputs: TrainingInputs, base_model_path: Callable[[str], str] = str) -> TrainOutcome:
+async def train_policy(
+    inputs: TrainingInputs, base_model_path: Callable[[str], str] = str, followers: Followers | None = None
+) -> TrainOutcome:
     """Run one training run; `base_model_path` maps the policy's base model to a local directory (or passes a
-    Hugging Face id through)."""
+    Hugging Face id through). `followers`: this is rank 0 of several training processes (torchrun)."""
     await upgrade_database(inputs.database_url)
     database = Database(inputs.database_url)
     try:
@@ -75,6 +81,7 @@ async def train_policy(inputs: TrainingInputs, base_model_path: Callable[[str], 
             scorer=PolicyReplyScorer(scorer, inputs.policy),
             sampler=inputs.engine,
             device=inputs.device,
+            followers=followers,
         )
         outcome = await run_training(database, request)
     finally:
@@ -180,5 +187,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     base_model = args.base_model
-    outcome = asyncio.run(train_policy(inputs, (lambda _: base_model) if base_model else str))
-    return 0 if outcome.status == "succeeded" else NO_CANDIDATE
+    ranks = ranks_from_environment()
+    if ranks is None:
+        outcome = asyncio.run(train_policy(inputs, (lambda _: base_model) if base_model else str))
+        return 0 if outcome.status == "succeeded" else NO_CANDIDATE
+    # Started by torchrun: one of several processes training the same run (see trainer/distributed.py).
+    from trainer.distributed import Followers, start, stop
+    from trainer.job import follow
+
+    start(ranks)
+    try:
+        if not ranks.main:
+            follow(ranks, args.device)
+            return 0
+        followers = Followers(ranks)
+        try:
+            outcome = asyncio.run(
+                train_policy(inputs, (lambda _: base_model) if base_model else str, followers)
+            )
+        finally:
+            followers.release()
+        return 0 if outcome.status == "succeeded" else NO_CANDIDATE
+    finally:
+        stop()

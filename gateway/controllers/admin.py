@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import KeyRing, create_key, principal_of, requires
 from gateway.capture import CaptureSink
 from gateway.controllers.params import PageLimit, PathName
+from gateway.engines.base import Engine
 from gateway.errors import NotFound
 from storage.audit import AuditInfo, list_audit, record_audit
 from storage.database import Database
@@ -31,6 +32,16 @@ class CaptureAdminController(Controller):
     async def capture_stats(self, sink: NamedDependency[CaptureSink]) -> dict[str, Any]:
         """Counters of the capture path: queued, written, spooled, replayed, dropped, opted out."""
         return sink.snapshot()
+
+
+class EngineAdminController(Controller):
+    path = "/admin/engine"
+    guards = [requires("admin")]  # noqa: RUF012
+
+    @get("")
+    async def engine_state(self, engine: NamedDependency[Engine]) -> dict[str, Any]:
+        """The engine and its replicas: which take calls, their calls in flight, restarts and adapters."""
+        return engine.snapshot()
 
 
 class CreateKey(msgspec.Struct, forbid_unknown_fields=True):

@@ -29,17 +29,18 @@ class ChatController(Controller):
     ) -> Response[bytes] | Stream:
         ctx = chat.prepare(await request.body(), request.headers, principal_of(request))
         ctx.charge_tokens = token_meter(request.scope)
-        headers = call_headers(ctx)
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)
                 return Stream(
-                    relay, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"}
+                    relay,
+                    media_type="text/event-stream",
+                    headers={**call_headers(ctx), "cache-control": "no-cache"},
                 )
             reply = await unless_disconnected(chat.complete(ctx), request.receive)
-            return Response(reply, media_type="application/json", headers=headers)
+            return Response(reply, media_type="application/json", headers=call_headers(ctx))
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
-            exc.headers.update(headers)
+            exc.headers.update(call_headers(ctx))
             raise
 
 
@@ -56,9 +57,10 @@ class CallIdentity(Protocol):
 
 def call_headers(ctx: CallIdentity) -> dict[str, str]:
     """x-request-id: the server's id of this call (unique; what feedback names), as OpenAI's API answers; a
-    client's own x-request-id is stored beside it and echoed as x-client-request-id. x-kaizen-model: what
-    actually served the call (`policy@N` for a policy), so clients can tell versions apart. Error answers of a
-    captured call carry them too."""
+    client's own x-request-id is stored beside it and echoed as x-client-request-id. x-episode-id: read once the
+    call ran, since a follow-up's episode may be found in the database meanwhile. x-kaizen-model: what actually
+    served the call (`policy@N` for a policy), so clients can tell versions apart. Error answers of a captured
+    call carry them too."""
     headers = {
         "x-request-id": ctx.call_id,
         "x-episode-id": ctx.episode_id,

@@ -67,6 +67,10 @@ class Engine(ABC):
         """A streamed call to another OpenAI route (`/completions`); errors before the first chunk raise."""
         raise NotFound(f"the {self.name} engine does not serve {path}", code="unsupported_route")
 
+    def snapshot(self) -> dict[str, Any]:
+        """What operators see at `GET /admin/engine`: the engine and, where it has several, its replicas."""
+        return {"engine": self.name}
+
     def loaded_adapters(self) -> list[str]:
         """Names of the adapters loaded right now (the router unloads the idle ones); none by default."""
         return []

@@ -17,6 +17,7 @@ from gateway.engines.base import EngineStream
 from gateway.errors import (
     APIError,
     EngineBadResponse,
+    EngineDisconnected,
     EngineError,
     EngineTimeout,
     EngineUnavailable,
@@ -83,12 +84,12 @@ class _SSEStream(EngineStream):
                 except msgspec.DecodeError as exc:
                     raise EngineBadResponse("a stream chunk was not valid JSON") from exc
             # EOF before `[DONE]`: the engine died or dropped the connection; the reply is incomplete.
-            raise EngineError("the engine stream ended before it was complete", code="engine_error")
+            raise EngineDisconnected("the engine stream ended before it was complete")
         except TimeoutError as exc:
             raise EngineTimeout() from exc
         except aiohttp.ClientError as exc:
             log.warning("the engine connection broke mid-stream: %s", exc)
-            raise EngineError("the engine connection broke mid-stream", code="engine_error") from exc
+            raise EngineDisconnected("the engine connection broke mid-stream") from exc
 
     async def close(self) -> None:
         self._response.close()
@@ -163,7 +164,7 @@ class OpenAIHTTPClient:
             raise EngineTimeout() from exc
         except aiohttp.ClientError as exc:
             log.warning("the engine connection broke: %s", exc)
-            raise EngineError("the engine connection broke", code="engine_error") from exc
+            raise EngineDisconnected("the engine connection broke") from exc
         finally:
             response.release()
         try:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.engines.base import Engine, EngineCapabilities, EngineStream
 from gateway.engines.http import OpenAIHTTPClient
-from gateway.errors import EngineUnavailable
+from gateway.errors import EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class VLLMLaunch:
     tool_call_parser: str | None = None
     chat_template: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    #: Variables of this server alone, over the gateway's own (a replica's GPUs or CPU cores).
+    env: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
         cmd = [
@@ -113,7 +115,7 @@ class VLLMLaunch:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
-        return env
+        return env | self.env
 
 
 class VLLMEngine(Engine):
@@ -280,9 +282,28 @@ class VLLMEngine(Engine):
     async def health(self) -> bool:
         return self._ready.is_set() and await self.client.ping(self.health_url)
 
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "engine": self.name,
+            "replicas": [
+                {
+                    "url": self.base_url,
+                    "routable": self._ready.is_set(),
+                    "restarts": self.restarts,
+                    "adapters": sorted(self.adapters),
+                }
+            ],
+        }
+
     # ------------------------------------------------------------------ adapters
     async def _load(self, name: str, path: str) -> None:
-        await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        try:
+            await self.client.post_json("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except InvalidRequest as exc:
+            # Another gateway attached to this server loaded it (or this one, before it restarted): a version
+            # name is never reused for other weights, so what is loaded is what was asked for.
+            if "already been loaded" not in exc.message:
+                raise
 
     def loaded_adapters(self) -> list[str]:
         return list(self.adapters)

@@ -70,14 +70,16 @@ class Run:
 
 async def load(
     session: aiohttp.ClientSession,
-    chat_url: str,
+    chat_url: str | Sequence[str],
     headers: dict[str, str],
     seconds: float,
     concurrency: int,
     run: Run | None = None,
 ) -> Run:
     """`concurrency` callers in a loop until the time is up; a call counts as served only when it is a 200 and,
-    for streams, ends with `[DONE]`. `run` is filled in as calls finish, so a sampler can watch it."""
+    for streams, ends with `[DONE]`. `run` is filled in as calls finish, so a sampler can watch it. Several URLs
+    (gateway replicas) take the calls in turn, as a round-robin load balancer would send them."""
+    urls = [chat_url] if isinstance(chat_url, str) else list(chat_url)
     run = run or Run()
     tag = uuid.uuid4().hex[:8]
     stop_at = time.monotonic() + seconds
@@ -94,7 +96,8 @@ async def load(
             }
             started = time.perf_counter()
             try:
-                async with session.post(chat_url, json=body, headers=headers) as response:
+                target = urls[(index + sequence) % len(urls)]
+                async with session.post(target, json=body, headers=headers) as response:
                     payload = await response.read()
                     ok = response.status == 200 and (not stream or payload.endswith(b"data: [DONE]\n\n"))
             except (TimeoutError, aiohttp.ClientError):

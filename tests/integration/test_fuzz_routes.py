@@ -176,6 +176,7 @@ ROUTES = [
     Route("GET", "/readyz", None, reads_only=True),
     Route("GET", "/metrics", None, reads_only=True),  # open: the fuzzed gateway binds loopback
     Route("GET", "/admin/capture", ADMIN_KEY, reads_only=True),
+    Route("GET", "/admin/engine", ADMIN_KEY, reads_only=True),
     Route("GET", "/admin/policies", ADMIN_KEY, reads_only=True),
     Route(
         "POST",

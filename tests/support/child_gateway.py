@@ -4,6 +4,7 @@ must kill, stop and restart the gateway as an operating system process (SIGKILL,
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 from pathlib import Path
 
@@ -53,3 +54,28 @@ def rss_bytes(gateway: GatewayProcess) -> int:
     """Resident memory of the gateway process (its capture writer is a process of its own)."""
     assert gateway.process is not None
     return proc_stats.rss_bytes(gateway.process.pid)
+
+
+def replica_set(
+    count: int, data_dir: Path, database_url: str, engine_url: str, extra_env: dict[str, str] | None = None
+) -> list[GatewayProcess]:
+    """`count` gateways as a load balancer would front them: one database, one data directory (the adapter
+    store), the same keys; each with its own port and log. The engine is attached by URL as vLLM
+    (`KAIZEN_VLLM_URL`), so policies and their adapter versions are served through it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    api_key, admin_key = secrets.token_hex(16), secrets.token_hex(16)
+    env = {
+        "KAIZEN_ENGINE": "vllm",
+        "KAIZEN_VLLM_URL": engine_url,
+        "KAIZEN_DATABASE_URL": database_url,
+        "KAIZEN_API_KEYS": api_key,
+        "KAIZEN_ADMIN_KEY": admin_key,
+        "KAIZEN_LOG_LEVEL": "info",
+        **(extra_env or {}),
+    }
+    replicas = []
+    for index in range(count):
+        replica = GatewayProcess(data_dir, "scripted-1", data_dir / f"gateway-{index}.log", env)
+        replica.api_key, replica.admin_key = api_key, admin_key
+        replicas.append(replica)
+    return replicas

@@ -32,10 +32,15 @@ def free_port() -> int:
 
 
 class PostgresServer:
-    def __init__(self, bin_dir: Path) -> None:
+    """`root`: where the cluster lives (default: a fresh temporary directory); a cluster already there is
+    started again as it was (`initialized`), which lets a benchmark keep a large database between runs."""
+
+    def __init__(self, bin_dir: Path, root: Path | None = None) -> None:
         self.bin_dir = bin_dir
         self.port = free_port()
-        self.root = Path(tempfile.mkdtemp(prefix="kaizen-pg-"))
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+        self.root = root or Path(tempfile.mkdtemp(prefix="kaizen-pg-"))
         self.data = self.root / "data"
         self.as_root = os.geteuid() == 0
         if self.as_root:
@@ -47,6 +52,10 @@ class PostgresServer:
         if self.as_root:
             command = ["runuser", "-u", "postgres", "--", *command]
         return subprocess.run(command, check=check, capture_output=True, text=True, timeout=120)
+
+    @property
+    def initialized(self) -> bool:
+        return (self.data / "PG_VERSION").exists()
 
     def init(self) -> None:
         self._run("initdb", "-D", str(self.data), "-U", self.user, "--auth=trust", "-E", "UTF8", "--no-sync")

@@ -23,6 +23,10 @@ gets JSON content (an instance of its schema, or ``{"echo": ...}`` for ``json_ob
 ``/v1/completions`` answers ``echo: <prompt>`` the same way (per-choice ``token_ids``, ``prompt_token_ids``
 and ``token_logprobs`` as vLLM lays them out) and ``/v1/embeddings`` deterministic 8-dimensional vectors.
 
+Like vLLM started with ``--enable-lora``, it takes runtime adapters (``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``, refusing a name loaded twice and a path that is not a directory) and lists them
+under ``/v1/models``, so gateways can serve policy versions through it; replies do not depend on the adapter.
+
 By default the server mimics vLLM's deviations from the OpenAI spec (``message.annotations: null``,
 ``message.function_call: null``, ``usage.prompt_tokens_details: null``, logprobs without
 ``refusal``, ``stop_reason``/``token_ids`` fields, finish_reason on the last token's chunk, integer
@@ -617,30 +621,37 @@ class _Handlers:
             if quirks:
                 card |= {"root": name, "parent": None, "max_model_len": 4096, "permission": []}
             models.append(card)
-        self.models_body = _encode({"object": "list", "data": models})
-        self.adapters: dict[str, str] = {}  # LoRA name -> directory, as loaded through the runtime API
+        self.model_cards = models
+        self.created = created
+        self.adapters: dict[str, str] = {}  # loaded adapter name -> path
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response()
 
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        """vLLM's runtime adapter API: the directory must exist; the name is then served."""
+    async def models(self, _: web.Request) -> web.Response:
+        cards = self.model_cards + [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "kaizen-tests", "root": path}
+            for name, path in self.adapters.items()
+        ]
+        return web.Response(body=_encode({"object": "list", "data": cards}), headers=_JSON_HEADERS)
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
         body = _decode(await request.read())
         name, path = body.get("lora_name"), body.get("lora_path")
-        exists = isinstance(path, str) and await asyncio.to_thread(Path(path).is_dir)
-        if not isinstance(name, str) or not exists:
-            return self.error(400, f"cannot load LoRA adapter {name!r} from {path!r}")
+        if not name or not path:
+            return self.error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.adapters:
+            return self.error(400, f"The lora adapter '{name}' has already been loaded.")
+        if not await asyncio.to_thread(Path(path).is_dir):
+            return self.error(404, f"Loading lora {name} failed: No adapter found for {path}")
         self.adapters[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+    async def unload_adapter(self, request: web.Request) -> web.Response:
         name = _decode(await request.read()).get("lora_name")
         if self.adapters.pop(name, None) is None:
-            return self.error(404, f"the LoRA adapter {name!r} is not loaded")
+            return self.error(404, f"The lora adapter '{name}' cannot be found.")
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-    async def models(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.models_body, headers=_JSON_HEADERS)
 
     def error(self, status: int, message: str) -> web.Response:
         headers = {**_JSON_HEADERS, "Retry-After": "1"} if status == 429 else _JSON_HEADERS
@@ -819,10 +830,9 @@ def build_app(*, vllm_quirks: bool = True, log: list[RecordedRequest] | None = N
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/embeddings", handlers.embeddings)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_post("/v1/load_lora_adapter", handlers.load_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", handlers.unload_adapter)
     app.router.add_get("/health", handlers.health)
-    if vllm_quirks:
-        app.router.add_post("/v1/load_lora_adapter", handlers.load_lora_adapter)
-        app.router.add_post("/v1/unload_lora_adapter", handlers.unload_lora_adapter)
     return app
 
 

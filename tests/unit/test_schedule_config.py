@@ -8,8 +8,8 @@ from storage.policies import AdapterInfo
 from storage.retention import versions_to_keep
 from trainer.collapse import CollapseBounds, measure
 from trainer.gate import collapse_problems, is_held_out
-from trainer.policy_config import GateConfig
-from trainer.scheduler import catch_up_time, cron_missed
+from trainer.policy_config import GateConfig, ScheduleConfig
+from trainer.scheduler import catch_up_time, missed_fire_time, previous_fire_time, schedule_slot
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 
@@ -22,9 +22,24 @@ def test_interval_catch_up_runs_once_now_after_downtime() -> None:
 
 def test_cron_missed_only_when_a_fire_time_passed_since_the_last_run() -> None:
     nightly = "0 3 * * *"
-    assert cron_missed(nightly, NOW - timedelta(days=3), NOW)
-    assert not cron_missed(nightly, NOW.replace(hour=3, minute=0), NOW)  # ran at 03:00 today
-    assert not cron_missed(nightly, None, NOW)
+    # The first firing after the last run: what a catch-up run stands for.
+    assert missed_fire_time(nightly, NOW - timedelta(days=3), NOW) == NOW.replace(hour=3) - timedelta(days=2)
+    assert missed_fire_time(nightly, NOW.replace(hour=3, minute=0), NOW) is None  # ran at 03:00 today
+    assert missed_fire_time(nightly, None, NOW) is None
+
+
+def test_a_firing_is_one_slot_for_every_replica() -> None:
+    every_minute, nightly = "* * * * *", "0 3 * * *"
+    late = NOW + timedelta(seconds=42)
+    assert previous_fire_time(every_minute, late, 3600) == NOW
+    assert previous_fire_time(every_minute, NOW, 3600) == NOW  # a firing at exactly now is its own slot
+    assert previous_fire_time(nightly, NOW, 3600) is None  # 03:00 is beyond the look-back
+    assert previous_fire_time(nightly, NOW, 10 * 3600) == NOW.replace(hour=3)
+    config = ScheduleConfig(judge_interval_s=600, train_cron=every_minute)
+    assert schedule_slot(config, "judge", "interval", late) == late - timedelta(seconds=300)
+    assert schedule_slot(config, "train", "cron", late) == NOW
+    assert schedule_slot(config, "train", "threshold", late) is None  # re-counted, not a slot
+    assert schedule_slot(config, "judge", "manual", late) is None
 
 
 def _adapter(version: int, status: str, pinned: bool = False) -> AdapterInfo:

@@ -1,0 +1,125 @@
+"""Training on several processes through PyTorch's engines (torchrun, FSDP or DDP, gloo on CPUs) takes the same
+step as one process: the LoRA gradients of one optimizer step of the embedded model, computed by two processes
+that split its micro-batches, match those of one process computing them all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from storage.database import Database
+from storage.jobs import list_runs
+from storage.policies import create_policy, get_policy, list_adapters
+from storage.schema import upgrade_database
+from tests.integration.test_train_command import POLICY, TRAIN
+from tests.support.training_data import RewardedReply, write_rewarded_groups
+
+REPO = Path(__file__).resolve().parents[2]
+# Two float32 sums of the same terms in another order: equal to a few parts in 10⁷. A step that counted one
+# process's share twice, or halved it (the engine averages), is off by a factor of two.
+RELATIVE_TOLERANCE = 1e-5
+
+
+def step_gradients(model: Path, out: Path, processes: int, sharding: str) -> dict[str, torch.Tensor]:
+    command = [
+        sys.executable,
+        "-m",
+        "tests.support.distributed_step",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+    ]
+    if processes > 1:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            "-m", "tests.support.distributed_step", "--model", str(model), "--out", str(out), "--sharding", sharding,
+        ]  # fmt: skip
+    # One thread each, as torchrun gives its processes: threads split a matrix product's sums differently.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    grads: dict[str, torch.Tensor] = torch.load(out)
+    return grads
+
+
+@pytest.fixture(scope="module")
+def alone(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The step's gradients computed by one process."""
+    return step_gradients(embedded_model, tmp_path_factory.mktemp("alone") / "one.pt", 1, "fsdp")
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_two_processes_take_the_step_one_process_takes(
+    sharding: str, alone: dict[str, torch.Tensor], embedded_model: Path, tmp_path: Path
+) -> None:
+    together = step_gradients(embedded_model, tmp_path / "two.pt", 2, sharding)
+    assert set(together) == set(alone) and len(alone) > 100  # every LoRA matrix of every layer
+    assert all(g.abs().max() > 0 for g in alone.values())
+    for name, expected in alone.items():
+        scale = float(expected.abs().max())
+        difference = float((together[name] - expected).abs().max())
+        assert difference <= RELATIVE_TOLERANCE * scale, (name, difference, scale)
+
+
+def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedded_model: Path) -> None:
+    """The whole run through `kaizen train` with KAIZEN_TRAIN_PROCESSES=2: torchrun starts two trainers, rank 0
+    reads the data and hands the samples over, both take the step, rank 0 writes the adapter and the rows."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+
+    async def setup() -> None:
+        await upgrade_database(url)
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                await create_policy(session, POLICY, str(embedded_model), {"train": TRAIN})
+                await session.commit()
+            replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
+            await write_rewarded_groups(
+                database, POLICY, [("Say hi.", replies), ("Say yes.", replies)], "fixed"
+            )
+        finally:
+            await database.dispose()
+
+    async def outcome() -> tuple[list[tuple[int, str, str]], list[str]]:
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, POLICY)
+                assert policy is not None
+                adapters = [(a.version, a.status, a.path) for a in await list_adapters(session, policy.id)]
+                runs = [r.status for r in await list_runs(session, POLICY)]
+        finally:
+            await database.dispose()
+        return adapters, runs
+
+    asyncio.run(setup())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    trained = subprocess.run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+        env={
+            **env,
+            "KAIZEN_DATABASE_URL": url,
+            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+            "KAIZEN_TRAIN_PROCESSES": "2",
+            "KAIZEN_TRAIN_SAMPLER": "local",
+        },
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-4000:]
+    assert "training process 1 of 2" in trained.stderr  # the follower took part
+    [(_, status, path)] = asyncio.run(outcome())[0]
+    assert status == "candidate" and (Path(path) / "adapter_model.safetensors").is_file()
+    assert asyncio.run(outcome())[1] == ["succeeded"]
