@@ -156,7 +156,7 @@ def summarise_run(
     }
 
 
-async def _wait_for_model(url: str, api_key: str, model: str, timeout_s: float = 60) -> None:
+async def wait_for_model(url: str, api_key: str, model: str, timeout_s: float = 60) -> None:
     """A new policy is served once the gateway's next policy refresh has seen it."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {api_key}"}) as client:
@@ -274,7 +274,7 @@ async def run_demo(
         await gateway.wait_ready()
         config = policy if policy is not None else policy_config(options)
         await gateway.create_policy(POLICY, config)
-        await _wait_for_model(url, api_key, POLICY)
+        await wait_for_model(url, api_key, POLICY)
         logger.info("policy %r created (version 0 = the base model); traffic starts", POLICY)
         app = SimulatedApp(
             f"{url}/v1",

@@ -98,6 +98,7 @@ async def base_rate(
     from openai import AsyncOpenAI
 
     from gateway.base_models import resolve_base_model
+    from gateway.demo.runner import wait_for_model
     from gateway.demo.tasks import TASKS, reward
     from gateway.serve_process import GatewayProcess
     from gateway.settings import Settings
@@ -110,6 +111,7 @@ async def base_rate(
     try:
         await gateway.wait_ready()
         await gateway.create_policy("base")
+        await wait_for_model(gateway.url, gateway.api_key, "base")
         client = AsyncOpenAI(
             base_url=f"{gateway.url}/v1", api_key=gateway.api_key, max_retries=5, timeout=600
         )
