@@ -247,6 +247,7 @@ async def _train(
     )
 
     groups: list[Group] = []
+    resampling: dict[str, Any] | None = None
     if cfg.mode == "sft":
         pass  # demonstrations only: no groups to form or resample
     elif cfg.grouping == "resample":

@@ -18,6 +18,7 @@ from storage.database import Database
 from storage.policies import create_policy
 from storage.schema import upgrade_database
 from tests.integration.test_train_grpo import (
+    CONFIG,
     PROMPTS,
     SAMPLES,
     brevity,
@@ -27,7 +28,11 @@ from tests.integration.test_train_grpo import (
     sampler,
 )
 from tests.support.training_data import write_demonstrations
+from trainer.grouping import PolicyReplyScorer
 from trainer.job import TrainRequest, run_training
+from trainer.policy_config import load_policy_config
+from trainer.ruler import JudgeSettings
+from trainer.scoring import Scorer
 
 IMPORTED = [(prompt, answer) for prompt, answer in zip(PROMPTS, ["Blue", "Cat", "Paris"], strict=False)]
 
@@ -46,9 +51,8 @@ def sft_settings() -> dict[str, Any]:
         "collapse_prompts": 2,
         "collapse_samples": 4,
         "collapse_max_new_tokens": 16,
-        # One-word replies are the goal here: the length ratio is not a collapse, and a one-word reply is far
-        # from the base model per token (its early end-of-turn is unlikely there).
-        "collapse_bounds": {"min_length_ratio": 0.0, "max_kl_to_base": 3.0},
+        # No bound is loosened: the collapse checks score their replies with the policy's reward function, so
+        # replies that became one word because the reward asks for it are not stopped as collapse.
     }
 
 
@@ -63,12 +67,23 @@ def test_sft_on_the_best_replies_raises_reward_of_fresh_samples(tmp_path: Path, 
         db = Database(url)
         try:
             async with db.session() as session:
-                config = {"train": sft_settings(), "gate": {"holdout_fraction": 0.0}}
+                config = {
+                    "train": sft_settings(),
+                    "rewards": CONFIG["rewards"],
+                    "gate": {"holdout_fraction": 0.0},
+                }
                 await create_policy(session, "shortbot", "smollm2-135m-instruct", config)
                 await session.commit()
             await insert_data(db, old_samples, "shortbot")
             await write_demonstrations(db, "shortbot", IMPORTED, source="import")
-            request = TrainRequest("shortbot", tmp_path / "data", str(embedded_model), device="cpu")
+            scorer = Scorer(load_policy_config(config).rewards, JudgeSettings(model=""))
+            request = TrainRequest(
+                "shortbot",
+                tmp_path / "data",
+                str(embedded_model),
+                scorer=PolicyReplyScorer(scorer, "shortbot"),
+                device="cpu",
+            )
             return await run_training(db, request)
         finally:
             await db.dispose()
