@@ -374,6 +374,15 @@ class Settings(BaseSettings):
         "terminated in front of the gateway.",
     )
 
+    # --- dashboard search
+    dashboard_search_episodes: int = Field(
+        20_000,
+        ge=1,
+        description="On SQLite, how many episodes (newest first) one dashboard text search reads before it "
+        "shows what it found and offers to search older ones; PostgreSQL searches through trigram indexes "
+        "instead and ignores this.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

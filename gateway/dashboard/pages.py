@@ -30,21 +30,21 @@ from storage.dashboard import (
     EpisodeCursor,
     EpisodeFilter,
     VersionEvent,
+    activity,
     episode_created_at,
     episode_detail,
     episode_rewards,
-    episode_totals,
     judge_series,
     list_episodes,
     list_judge_groups,
     list_sources,
     queue_neighbour,
-    reward_series,
-    traffic_series,
     version_events,
 )
+from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
+from storage.rollups import refresh_if_stale
 from trainer.policy_config import InvalidPolicyConfig, load_policy_config
 
 PAGE_SIZE = 50
@@ -178,6 +178,7 @@ class DashboardPages(Controller):
         self,
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
+        database: NamedDependency[Database],
         window: Text = None,
         policy: Text = None,
     ) -> Template:
@@ -185,8 +186,11 @@ class DashboardPages(Controller):
         key, since, until, step = _window(_blank(window))
         chosen = _blank(policy)
         axis = time_axis(since, until)
-        traffic = await traffic_series(session, since, until, step, chosen)
-        totals = await episode_totals(session, since, until, chosen)
+        # Without a scheduler nothing else keeps the rollups current; with one, this finds them fresh.
+        await refresh_if_stale(database)
+        summed = await activity(session, since, until, step, chosen)
+        traffic = summed.traffic()
+        totals = summed.totals()
         x = [b.start.timestamp() for b in traffic]
         charts = [
             Chart(
@@ -237,7 +241,7 @@ class DashboardPages(Controller):
         for info in policies:
             if chosen is not None and info.name != chosen:
                 continue
-            points = await reward_series(session, info.name, since, until, step)
+            points = summed.rewards(info.name)
             by_version: dict[int | None, list[tuple[float, float]]] = {}
             for point in points:
                 by_version.setdefault(point.version, []).append((point.start.timestamp(), point.mean_reward))
@@ -289,6 +293,7 @@ class DashboardPages(Controller):
         self,
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
         policy: Text = None,
         version: Text = None,
         min_reward: Text = None,
@@ -320,7 +325,10 @@ class DashboardPages(Controller):
             text=_blank(q),
             source=_blank(source),
         )
-        rows, cursor = await list_episodes(session, filt, PAGE_SIZE, decode_cursor(after))
+        found = await list_episodes(
+            session, filt, PAGE_SIZE, decode_cursor(after), text_window=settings.dashboard_search_episodes
+        )
+        cursor = found.next
         form = {
             "policy": policy or "",
             "version": version or "",
@@ -342,9 +350,11 @@ class DashboardPages(Controller):
             context=_context(
                 request,
                 "episodes",
-                rows=rows,
+                rows=found.rows,
                 form=form,
                 next_url=next_url,
+                searched_to=found.searched_to,
+                search_window=settings.dashboard_search_episodes,
                 first_url=f"/dashboard/episodes?{urlencode(kept)}" if after else None,
                 policies=[p.name for p in await list_policies(session)],
                 sources=await list_sources(session),
