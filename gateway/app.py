@@ -370,11 +370,11 @@ def create_app(services: Services) -> Litestar:
     templates: TemplateConfig[Any] | None = None
     if settings.dashboard:
         # Imported only when served: the templates engine is not needed otherwise.
-        from gateway.dashboard import dashboard_routers, signer_from_settings, template_config
+        from gateway.dashboard import dashboard_routers, dashboard_state, template_config
 
         dashboard = dashboard_routers()
         templates = template_config()
-        state["dashboard_signer"] = signer_from_settings(settings)
+        state.update(dashboard_state(settings))
     return Litestar(
         route_handlers=[
             v1,
