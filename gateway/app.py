@@ -37,7 +37,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.exposure import cors_config, json_bodies_only
 from gateway.feedback import FeedbackService
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -417,7 +417,10 @@ def create_app(services: Services) -> Litestar:
             Exception: _internal_error,
         },
         lifespan=[lifespan],
-        middleware=[json_bodies_only],
+        middleware=[
+            *([count_responses(services.metrics.calls)] if services.metrics is not None else []),
+            json_bodies_only,
+        ],
         cors_config=cors_config(settings),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
