@@ -155,8 +155,9 @@ async def version_events(
             )
         )
     for run, name in await session.execute(runs.limit(1000)):
-        gate = (run.metrics or {}).get("gate") or {}
-        if gate.get("decision") == "promote" and run.finished_at is not None:
+        gate = run.metrics.get("gate") if isinstance(run.metrics, dict) else None
+        # Runs of other modes may have no gate, or one of another shape: only a gate's promotion counts.
+        if isinstance(gate, dict) and gate.get("decision") == "promote" and run.finished_at is not None:
             events.append(VersionEvent(utc(run.finished_at), name, "gate", run.to_version, f"run {run.id}"))
     return sorted(events, key=lambda e: e.at)
 

@@ -13,7 +13,7 @@ from openai import OpenAI
 from gateway.dashboard.pages import encode_cursor
 from storage.dashboard import EpisodeCursor
 from tests.conftest import query
-from tests.support.dashboard import csrf_token, login, seed_policy_runs
+from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_unusual_run
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 
@@ -195,6 +195,29 @@ def test_pages_show_traffic_episodes_runs_and_judge_groups(
         assert ADMIN not in browser.get(page).text
     assert browser.get("/dashboard/episodes?min_reward=abc").status_code == 400
     assert browser.get("/dashboard?window=9y").status_code == 400
+
+
+def test_runs_of_unknown_shapes_render_their_metrics_generically(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy_runs(database_url, "bot", versions=2)
+    run_id = seed_unusual_run(database_url, "bot")
+    gw = make_gateway(database_url, admin_key=ADMIN)
+    browser = login(gw.url, ADMIN)
+    page = browser.get(f"/dashboard/runs/{run_id}")
+    assert page.status_code == 200, page.text
+    for shown in ("resampled.rare_successes", "examples", "sft", "learning_rate per optimizer step"):
+        assert shown in page.text, shown
+    assert "Loss per optimizer step" in page.text and 'id="gate-decision"' not in page.text
+    other = re.search(r'id="run-other">(.*?)</pre>', page.text, re.S)
+    assert other is not None and "bootstrap" in other.group(1)
+    assert "skipped" in page.text and "checked" in page.text  # a gate and collapse of another shape
+    overview = browser.get("/dashboard?window=1h")  # its version changes read the runs' gates too
+    assert overview.status_code == 200 and "gate promoted v1" in overview.text
+    for listing in ("/dashboard/runs", "/dashboard/runs?policy=bot", "/dashboard/policies/bot"):
+        answer = browser.get(listing)
+        assert answer.status_code == 200, (listing, answer.text)
+        assert f'href="/dashboard/runs/{run_id}"' in answer.text
 
 
 def test_episode_filters_and_keyset_pages(make_gateway: MakeGateway, database_url: str) -> None:
