@@ -42,7 +42,7 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.exposure import cors_config, json_bodies_only
 from gateway.feedback import FeedbackService
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -404,11 +404,11 @@ def create_app(services: Services) -> Litestar:
     templates: TemplateConfig[Any] | None = None
     if settings.dashboard:
         # Imported only when served: the templates engine is not needed otherwise.
-        from gateway.dashboard import dashboard_routers, signer_from_settings, template_config
+        from gateway.dashboard import dashboard_routers, dashboard_state, template_config
 
         dashboard = dashboard_routers()
         templates = template_config()
-        state["dashboard_signer"] = signer_from_settings(settings)
+        state.update(dashboard_state(settings))
     return Litestar(
         route_handlers=[
             v1,
@@ -452,7 +452,10 @@ def create_app(services: Services) -> Litestar:
             Exception: _internal_error,
         },
         lifespan=[lifespan],
-        middleware=[json_bodies_only],
+        middleware=[
+            *([count_responses(services.metrics.calls)] if services.metrics is not None else []),
+            json_bodies_only,
+        ],
         cors_config=cors_config(settings),
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,

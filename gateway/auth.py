@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from storage.database import Database
 from storage.keys import KeyInfo, insert_key, list_keys
+from storage.logouts import logged_out
 from storage.models import DEFAULT_PROJECT
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class KeyRing:
             )
         self._closed = any(p.key_id == "env" for p in self._static.values())
         self._keys: dict[str, Principal] = dict(self._static)
+        self._ended: frozenset[str] = frozenset()
+        self._ended_here: dict[str, float] = {}  # logouts through this process, until a refresh reads them
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -115,20 +119,38 @@ class KeyRing:
         """The principal of the key whose secret has this SHA-256 (a dashboard session names its key so)."""
         return self._keys.get(key_digest)
 
-    def load(self, keys: Sequence[KeyInfo]) -> None:
-        """Replace the managed keys with these (revoked ones are refused); environment keys stay."""
+    def load(self, keys: Sequence[KeyInfo], ended_sessions: Iterable[str] = ()) -> None:
+        """Replace the managed keys with these (revoked ones are refused), environment keys staying, and the
+        dashboard sessions ended by a logout with these."""
         fresh = {k.hash: _managed(k) for k in keys if k.revoked_at is None}
         self._keys = {**fresh, **self._static}
         self._closed = self._closed or bool(keys)
+        self._ended = frozenset(ended_sessions)
+        now = time.time()
+        self._ended_here = {
+            nonce: expires
+            for nonce, expires in self._ended_here.items()
+            if nonce not in self._ended and expires > now
+        }
+
+    def session_ended(self, nonce: str) -> bool:
+        """Whether the dashboard session with this nonce was ended by a logout (on any replica)."""
+        return nonce in self._ended or nonce in self._ended_here
+
+    def end_session(self, nonce: str, expires: float) -> None:
+        """A logout through this process: refused here at once (even by a refresh that read the list just
+        before it was stored), elsewhere from their next refresh."""
+        self._ended_here[nonce] = expires
 
     async def refresh(self, database: Database) -> None:
         try:
             async with database.session() as session:
                 keys = await list_keys(session)
+                ended = await logged_out(session)
         except Exception as exc:  # keep the last known keys; the next round retries
             log.warning("could not read API keys: %s", exc)
             return
-        self.load(keys)
+        self.load(keys, ended)
 
     async def start(self, database: Database, interval_s: float) -> None:
         await self.refresh(database)

@@ -22,9 +22,11 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from litestar.enums import ScopeType
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -115,7 +117,16 @@ class CallMetrics:
             ["status"],
             registry=registry,
         )
+        self.answered = Counter(
+            "kaizen_http_requests",
+            "HTTP requests answered on every route, by route (its template, e.g. /v1/episodes/{episode_id}), "
+            "method and status code: refusals before the handler (429 from the rate limiter, 415, 401) "
+            "included; requests that match no route are not counted.",
+            ["route", "method", "status"],
+            registry=registry,
+        )
         self._series: dict[tuple[str, str, str, bool], _CallSeries] = {}
+        self._answered: dict[tuple[str, str, int], Counter] = {}
 
     def call(
         self,
@@ -147,12 +158,45 @@ class CallMetrics:
         if output_tokens:
             series.output_tokens.inc(output_tokens)
 
+    def answer(self, route: str, method: str, status: int) -> None:
+        """One HTTP response started. Routes, methods and statuses are few, so the children are cached."""
+        key = (route, method, status)
+        child = self._answered.get(key)
+        if child is None:
+            child = self._answered[key] = self.answered.labels(route, method, str(status))
+        child.inc()
+
     def reject(self, code: str | None) -> None:
         self.rejected.labels(code or "unknown").inc()
 
     def feedback_items(self, statuses: Iterable[str]) -> None:
         for status in statuses:
             self.feedback.labels(status).inc()
+
+
+def count_responses(metrics: CallMetrics) -> Callable[[ASGIApp], ASGIApp]:
+    """App-wide ASGI middleware: counts each response by route template, method and status when it starts.
+    It runs outside every other middleware, so what they answer themselves (the rate limiter's 429, the 415 of
+    a body that is not JSON) is counted too; its cost per request is one wrapped `send` and a cached
+    counter's increment (docs/performance.md)."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != ScopeType.HTTP:
+                await app(scope, receive, send)
+                return
+            route, method = scope["path_template"], scope["method"]
+
+            async def counted(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    metrics.answer(route, method, message["status"])
+                await send(message)
+
+            await app(scope, receive, counted)
+
+        return middleware
+
+    return wrap
 
 
 # Which CaptureStats/snapshot fields are counters (only ever grow) and which are levels.

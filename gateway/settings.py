@@ -415,6 +415,25 @@ class Settings(BaseSettings):
         "(`0-7;8-15`), so replicas do not share cores. Empty: vLLM's own binding.",
     )
 
+    # --- dashboard logins and search
+    dashboard_login_failures: int = Field(
+        5,
+        ge=0,
+        description="Failed dashboard logins a client address may make within KAIZEN_DASHBOARD_LOGIN_WINDOW_S "
+        "before its logins are refused (429, any key) until the oldest failure leaves the window; counted by "
+        "each gateway process on its own. 0: no limit.",
+    )
+    dashboard_login_window_s: float = Field(
+        300.0, gt=0, description="The window over which failed dashboard logins are counted."
+    )
+    dashboard_search_episodes: int = Field(
+        20_000,
+        ge=1,
+        description="On SQLite, how many episodes (newest first) one dashboard text search reads before it "
+        "shows what it found and offers to search older ones; PostgreSQL searches through trigram indexes "
+        "instead and ignores this.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from storage.models import Base, Call, Episode, StitchKey, StoredResponse
 from storage.records import CallRecord
+from storage.rollups import mark_changed
 
 # Statements built once with expanding parameters: the capture writer runs them for every batch, and building
 # an IN clause from a Python list costs per element.
@@ -338,6 +339,9 @@ async def write_calls(session: AsyncSession, records: Sequence[CallRecord]) -> i
         await _copy_new(connection, Call, call_rows)
     else:
         await _insert_many(connection, Call, call_rows, conflict="DO NOTHING")
+    # Calls stamped long ago (the capture log replayed after an outage, an import) may fall in buckets the
+    # dashboard's rollup already summed; fresh calls cost one comparison each here.
+    await mark_changed(session, [datetime.fromtimestamp(r.created_at, UTC) for r in fresh])
     now = datetime.now(UTC)
     keys = [
         {"hash": key, "episode_id": r.episode_id, "created_at": now} for r in fresh for key in r.stitch_keys

@@ -15,13 +15,9 @@ from typing import Any
 from sqlalchemy import Text, and_, case, cast, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.dialect import epoch_bucket
+from storage.dialect import epoch_bucket, utc
 from storage.models import AuditEntry, Call, Episode, JudgeGroup, Policy, Reward, TrainingRun
-
-
-def utc(value: datetime) -> datetime:
-    """SQLite hands timestamps back without their zone; every timestamp Kaizen writes is UTC."""
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+from storage.rollups import Key, Sums, window_sums
 
 
 def _at(epoch: int | float) -> datetime:
@@ -42,42 +38,6 @@ class TrafficBucket:
     completion_tokens: int
 
 
-async def traffic_series(
-    session: AsyncSession, since: datetime, until: datetime, step_s: int, policy: str | None = None
-) -> list[TrafficBucket]:
-    """Calls, errors, latency and tokens per `step_s` bucket of [since, until), oldest first."""
-    bucket = epoch_bucket(session, Call.created_at, step_s).label("bucket")
-    query = (
-        select(
-            bucket,
-            func.count().label("calls"),
-            func.sum(case((Call.status != "ok", 1), else_=0)).label("errors"),
-            func.avg(Call.latency_ms).label("mean_latency"),
-            func.max(Call.latency_ms).label("max_latency"),
-            func.coalesce(func.sum(Call.prompt_tokens), 0).label("prompt"),
-            func.coalesce(func.sum(Call.completion_tokens), 0).label("completion"),
-        )
-        .where(Call.created_at >= since, Call.created_at < until)
-        .group_by(bucket)
-        .order_by(bucket)
-    )
-    if policy is not None:
-        query = query.where(Call.policy == policy)
-    rows = await session.execute(query)
-    return [
-        TrafficBucket(
-            _at(row.bucket),
-            int(row.calls),
-            int(row.errors or 0),
-            None if row.mean_latency is None else float(row.mean_latency),
-            None if row.max_latency is None else float(row.max_latency),
-            int(row.prompt),
-            int(row.completion),
-        )
-        for row in rows
-    ]
-
-
 @dataclass(frozen=True)
 class RewardPoint:
     """The mean reward of one policy's episodes that started in a bucket, by the version that served them."""
@@ -88,29 +48,63 @@ class RewardPoint:
     episodes: int
 
 
-async def reward_series(
-    session: AsyncSession, policy: str, since: datetime, until: datetime, step_s: int
-) -> list[RewardPoint]:
-    """Live reward of a policy's traffic: rewarded episodes per bucket and serving version (of the first call)."""
-    bucket = epoch_bucket(session, Episode.created_at, step_s).label("bucket")
-    rows = await session.execute(
-        select(
-            bucket,
-            Call.adapter_version,
-            func.avg(Episode.reward).label("mean"),
-            func.count().label("n"),
+@dataclass(frozen=True)
+class EpisodeTotals:
+    episodes: int
+    rewarded: int
+    feedback: int  # feedback rows
+
+
+@dataclass(frozen=True)
+class Activity:
+    """A window of traffic summed per bucket, policy and serving version: the overview's charts and totals."""
+
+    sums: dict[Key, Sums]
+
+    def traffic(self) -> list[TrafficBucket]:
+        """Calls, errors, latency and tokens per bucket with calls, oldest first."""
+        buckets: dict[int, Sums] = {}
+        for (bucket, _, _), sums in self.sums.items():
+            if sums.calls:
+                buckets.setdefault(bucket, Sums()).add(sums)
+        return [
+            TrafficBucket(
+                _at(bucket),
+                s.calls,
+                s.errors,
+                s.latency_ms_sum / s.calls,
+                s.latency_ms_max,
+                s.prompt_tokens,
+                s.completion_tokens,
+            )
+            for bucket, s in sorted(buckets.items())
+        ]
+
+    def rewards(self, policy: str) -> list[RewardPoint]:
+        """Live reward of a policy's traffic: rewarded episodes per bucket and version (of the first call)."""
+        return [
+            RewardPoint(_at(bucket), version, s.reward_sum / s.rewarded, s.rewarded)
+            for (bucket, owner, version), s in sorted(
+                self.sums.items(), key=lambda item: (item[0][0], -1 if item[0][2] is None else item[0][2])
+            )
+            if owner == policy and s.rewarded
+        ]
+
+    def totals(self) -> EpisodeTotals:
+        """Episodes started in the window, how many are rewarded, and the feedback rows given in it."""
+        return EpisodeTotals(
+            sum(s.episodes for s in self.sums.values()),
+            sum(s.rewarded for s in self.sums.values()),
+            sum(s.feedback for s in self.sums.values()),
         )
-        .join(Call, and_(Call.episode_id == Episode.id, Call.position == 0))
-        .where(
-            Episode.policy == policy,
-            Episode.created_at >= since,
-            Episode.created_at < until,
-            Episode.reward.is_not(None),
-        )
-        .group_by(bucket, Call.adapter_version)
-        .order_by(bucket)
-    )
-    return [RewardPoint(_at(r.bucket), r.adapter_version, float(r.mean), int(r.n)) for r in rows]
+
+
+async def activity(
+    session: AsyncSession, since: datetime, until: datetime, step_s: int, policy: str | None = None
+) -> Activity:
+    """[since, until) in `step_s` buckets, for every policy or one: pre-summed rollup rows for the buckets that
+    closed a while ago and the raw rows after them (`storage.rollups`)."""
+    return Activity(await window_sums(session, since, until, step_s, policy))
 
 
 @dataclass(frozen=True)
@@ -161,43 +155,11 @@ async def version_events(
             )
         )
     for run, name in await session.execute(runs.limit(1000)):
-        gate = (run.metrics or {}).get("gate") or {}
-        if gate.get("decision") == "promote" and run.finished_at is not None:
+        gate = run.metrics.get("gate") if isinstance(run.metrics, dict) else None
+        # Runs of other modes may have no gate, or one of another shape: only a gate's promotion counts.
+        if isinstance(gate, dict) and gate.get("decision") == "promote" and run.finished_at is not None:
             events.append(VersionEvent(utc(run.finished_at), name, "gate", run.to_version, f"run {run.id}"))
     return sorted(events, key=lambda e: e.at)
-
-
-@dataclass(frozen=True)
-class EpisodeTotals:
-    episodes: int
-    rewarded: int
-    feedback: int  # feedback rows
-
-
-async def episode_totals(
-    session: AsyncSession, since: datetime, until: datetime, policy: str | None = None
-) -> EpisodeTotals:
-    """Episodes started in [since, until), how many of them are rewarded, and feedback rows given in it.
-
-    Counted so that each count can come from an index alone: all episodes, and the unrewarded ones
-    (`reward IS NULL`, the review queue's index), rather than reading every episode's reward."""
-    window = [Episode.created_at >= since, Episode.created_at < until]
-    if policy is not None:
-        window.append(Episode.policy == policy)
-    total = await session.scalar(select(func.count()).select_from(Episode).where(*window))
-    unrewarded = await session.scalar(
-        select(func.count()).select_from(Episode).where(*window, Episode.reward.is_(None))
-    )
-    feedback = (
-        select(func.count())
-        .select_from(Reward)
-        .where(Reward.source == "feedback", Reward.created_at >= since, Reward.created_at < until)
-    )
-    if policy is not None:
-        feedback = feedback.join(Episode, Episode.id == Reward.episode_id).where(Episode.policy == policy)
-    return EpisodeTotals(
-        int(total or 0), int(total or 0) - int(unrewarded or 0), int(await session.scalar(feedback) or 0)
-    )
 
 
 # ----------------------------------------------------------------------------------------------- episodes
@@ -241,7 +203,17 @@ class EpisodeSummary:
     preview: str  # the first user message of its first call, shortened
 
 
+TEXT_SEARCH_WINDOW = 20_000
+"""On SQLite, a text search reads at most this many episodes per page (newest first) and says where it
+stopped; the next request goes on from there (`KAIZEN_DASHBOARD_SEARCH_EPISODES`). PostgreSQL searches
+through its trigram indexes instead."""
+TEXT_CANDIDATES = 5_000
+"""On PostgreSQL, a text search whose matching calls the trigram indexes find fewer than this many of lists
+exactly their episodes; a more common text walks the episodes newest first, where matches come early."""
+
+
 def _episode_conditions(filt: EpisodeFilter) -> list[Any]:
+    """The filter's conditions on episodes, the text search aside (`list_episodes` words it per database)."""
     conditions: list[Any] = []
     if filt.policy is not None:
         conditions.append(Episode.policy == filt.policy)
@@ -264,18 +236,55 @@ def _episode_conditions(filt: EpisodeFilter) -> list[Any]:
     if filt.feedback is not None:
         has = exists().where(Reward.episode_id == Episode.id, Reward.source == "feedback")
         conditions.append(has if filt.feedback else ~has)
-    if filt.text:
-        needle = filt.text
-        conditions.append(
-            exists().where(
-                Call.episode_id == Episode.id,
-                or_(
-                    cast(Call.request, Text).icontains(needle, autoescape=True),
-                    cast(Call.response, Text).icontains(needle, autoescape=True),
-                ),
-            )
-        )
     return conditions
+
+
+def _like(needle: str) -> str:
+    """An ILIKE pattern matching `needle` anywhere, its own wildcards taken literally (escape `\\`)."""
+    escaped = needle.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def _text_matches(needle: str) -> Any:
+    """Calls whose request or response contains `needle`, case-insensitive. On PostgreSQL `ILIKE` on the
+    text of the JSON, which the trigram indexes of migration 0019 serve; on SQLite `lower(..) LIKE lower(..)`."""
+    pattern = _like(needle)
+    return or_(
+        cast(Call.request, Text).ilike(pattern, escape="\\"),
+        cast(Call.response, Text).ilike(pattern, escape="\\"),
+    )
+
+
+async def _version_bound(session: AsyncSession, filt: EpisodeFilter) -> Any:
+    """Episodes served by a version started no later than its newest call: the list starts there rather than
+    walking every newer episode (one probe of `ix_calls_adapter_version_created_at`). None: no such call."""
+    query = select(Call.created_at).where(Call.adapter_version == filt.version)
+    if filt.policy is not None:
+        query = query.where(Call.policy == filt.policy)
+    newest = await session.scalar(query.order_by(Call.created_at.desc()).limit(1))
+    return None if newest is None else Episode.created_at <= newest
+
+
+async def _text_condition(session: AsyncSession, filt: EpisodeFilter, needle: str, most: int) -> Any:
+    """PostgreSQL: the episodes of the matching calls when the trigram indexes find at most `most` of them (a
+    rare text), else a probe per episode walked newest first (a common text fills a page early)."""
+    candidates = select(Call.episode_id).where(_text_matches(needle))
+    if filt.policy is not None:
+        candidates = candidates.where(Call.policy == filt.policy)
+    if filt.since is not None:  # an episode's calls start no earlier than the episode
+        candidates = candidates.where(Call.created_at >= filt.since)
+    found = list(await session.scalars(candidates.limit(most + 1)))
+    if len(found) <= most:
+        return Episode.id.in_(sorted(set(found)))
+    return exists().where(Call.episode_id == Episode.id, _text_matches(needle))
+
+
+def _at_or_after(cursor: EpisodeCursor) -> Any:
+    """Rows up to and including the cursor in the list's order: no older than it (worded as `_after` is)."""
+    return and_(
+        Episode.created_at >= cursor.created_at,
+        or_(Episode.created_at > cursor.created_at, Episode.id >= cursor.id),
+    )
 
 
 def _after(cursor: EpisodeCursor) -> Any:
@@ -287,10 +296,54 @@ def _after(cursor: EpisodeCursor) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class EpisodePage:
+    """A page of the episode list."""
+
+    rows: list[EpisodeSummary]
+    next: EpisodeCursor | None  # where the next page starts; None on the last one
+    # A text search on SQLite that read its window of episodes without filling the page: the oldest episode
+    # it read (the next page goes on after it), else None.
+    searched_to: EpisodeCursor | None = None
+
+
 async def list_episodes(
-    session: AsyncSession, filt: EpisodeFilter, limit: int, after: EpisodeCursor | None = None
-) -> tuple[list[EpisodeSummary], EpisodeCursor | None]:
-    """A page of episodes, newest first, and the cursor of the next page (None on the last one)."""
+    session: AsyncSession,
+    filt: EpisodeFilter,
+    limit: int,
+    after: EpisodeCursor | None = None,
+    *,
+    text_window: int = TEXT_SEARCH_WINDOW,
+    text_candidates: int = TEXT_CANDIDATES,
+) -> EpisodePage:
+    """A page of episodes, newest first, and where the next one starts."""
+    conditions = _episode_conditions(filt)
+    if after is not None:
+        conditions.append(_after(after))
+    if filt.version is not None:
+        bound = await _version_bound(session, filt)
+        if bound is None:
+            return EpisodePage([], None)
+        conditions.append(bound)
+    window_end: EpisodeCursor | None = None
+    if filt.text:
+        if session.get_bind().dialect.name == "postgresql":
+            conditions.append(await _text_condition(session, filt, filt.text, text_candidates))
+        else:
+            # The oldest episode of the window this request reads; None: fewer are left than the window.
+            edge = (
+                await session.execute(
+                    select(Episode.created_at, Episode.id)
+                    .where(*conditions)
+                    .order_by(Episode.created_at.desc(), Episode.id.desc())
+                    .limit(1)
+                    .offset(text_window - 1)
+                )
+            ).first()
+            if edge is not None:
+                window_end = EpisodeCursor(utc(edge.created_at), edge.id)
+                conditions.append(_at_or_after(window_end))
+            conditions.append(exists().where(Call.episode_id == Episode.id, _text_matches(filt.text)))
     query = select(
         Episode.id,
         Episode.policy,
@@ -298,9 +351,7 @@ async def list_episodes(
         Episode.project,
         Episode.created_at,
         Episode.reward,
-    ).where(*_episode_conditions(filt))
-    if after is not None:
-        query = query.where(_after(after))
+    ).where(*conditions)
     rows = (
         await session.execute(query.order_by(Episode.created_at.desc(), Episode.id.desc()).limit(limit + 1))
     ).all()
@@ -327,8 +378,9 @@ async def list_episodes(
         )
         for row in rows
     ]
-    cursor = EpisodeCursor(page[-1].created_at, page[-1].id) if more and page else None
-    return page, cursor
+    if more and page:
+        return EpisodePage(page, EpisodeCursor(page[-1].created_at, page[-1].id))
+    return EpisodePage(page, window_end, window_end)
 
 
 async def _call_stats(

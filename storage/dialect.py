@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import BigInteger, ColumnElement, Table, cast, func
@@ -19,6 +20,11 @@ def insert(session: AsyncSession, target: type[Any] | Table) -> Any:
     if session.get_bind().dialect.name == "postgresql":
         return postgresql.insert(target)
     return sqlite.insert(target)
+
+
+def utc(value: datetime) -> datetime:
+    """SQLite hands timestamps back without their zone; every timestamp Kaizen writes is UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def epoch_bucket(

@@ -204,12 +204,15 @@ async def update_episode(
 
 async def set_episode_reward(
     session: AsyncSession, episode_id: str, reward: float | None, provenance: dict[str, Any] | None
-) -> None:
-    await session.execute(
+) -> datetime | None:
+    """Store an episode's derived reward; returns when the episode started (None: no such episode)."""
+    started: datetime | None = await session.scalar(
         update(Episode)
         .where(Episode.id == episode_id)
         .values(reward=reward, reward_provenance=provenance, updated_at=datetime.now(UTC))
+        .returning(Episode.created_at)
     )
+    return started
 
 
 @dataclass(frozen=True)

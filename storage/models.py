@@ -108,6 +108,10 @@ class Call(Base):
         Index("ix_calls_episode_position", "episode_id", "position"),
         # Retention deletes a policy's calls older than a cut-off.
         Index("ix_calls_policy_created_at", "policy", "created_at"),
+        # The newest call of a serving version: where the episode list filtered by version starts looking.
+        Index("ix_calls_adapter_version_created_at", "adapter_version", "created_at"),
+        # PostgreSQL also has trigram indexes on the text of `request` and `response` (migration 0019) for the
+        # dashboard's text search; they are expressions of one dialect, so they are not declared here.
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -278,3 +282,60 @@ class AuditEntry(Base):
     action: Mapped[str] = mapped_column(String(64), index=True)
     target: Mapped[str] = mapped_column(String(256), index=True)
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class TrafficRollup(Base):
+    """Calls, episodes, rewards and feedback of one 15-minute bucket, policy and serving version, summed: what
+    the dashboard's overview reads for closed buckets instead of every row (`storage.rollups` keeps it up to
+    date). Calls count by their own start and version; episodes by their start and the version of their first
+    call; feedback rows by when they arrived and the policy of their episode."""
+
+    __tablename__ = "traffic_rollups"
+    __table_args__ = (Index("ix_traffic_rollups_policy_bucket", "policy", "bucket_start"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    bucket_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    policy: Mapped[str] = mapped_column(String(128))  # '' for calls and episodes of no policy
+    adapter_version: Mapped[int | None] = mapped_column(Integer)
+    calls: Mapped[int] = mapped_column(Integer, default=0)
+    errors: Mapped[int] = mapped_column(Integer, default=0)  # status other than `ok`
+    latency_ms_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    latency_ms_max: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    episodes: Mapped[int] = mapped_column(Integer, default=0)
+    rewarded: Mapped[int] = mapped_column(Integer, default=0)
+    reward_sum: Mapped[float] = mapped_column(Float, default=0.0)
+    feedback: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class RollupMark(Base):
+    """Buckets [since, until) whose rollup rows must be summed again: something in them changed after they
+    may have been rolled up (a call written late, a reward derived again, feedback linked, rows deleted).
+    Written in the transaction of the change; removed by the refresh that re-summed them."""
+
+    __tablename__ = "rollup_marks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    since: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RollupState(Base):
+    """How far `traffic_rollups` reaches (one row): every bucket before `rolled_until` is summed there."""
+
+    __tablename__ = "rollup_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rolled_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    refreshed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class DashboardLogout(Base):
+    """A dashboard session ended by logging out before its cookie expired. Every gateway reads the list with
+    its keys, so a copy of the cookie stops working everywhere; a row goes once the cookie would have expired."""
+
+    __tablename__ = "dashboard_logouts"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)  # the session's random nonce
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

@@ -19,10 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
-from sqlalchemy import text
+from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from storage.calls import CALL_CLOCK_SLACK
+from storage.models import RollupMark
+from storage.rollups import span_marks
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +174,29 @@ async def drop_expired_partitions(
                 continue
             table = f'"{partition.name}"'
             episodes = list(await connection.scalars(text(f"SELECT DISTINCT episode_id FROM {table}")))
-            dropped.calls += int(await connection.scalar(text(f"SELECT count(*) FROM {table}")) or 0)
-            await connection.execute(text(f"DELETE FROM rewards r USING {table} c WHERE r.call_id = c.id"))
+            count, oldest = (
+                await connection.execute(text(f"SELECT count(*), min(created_at) FROM {table}"))
+            ).one()
+            dropped.calls += int(count or 0)
+            rewards = await connection.execute(
+                text(
+                    f"DELETE FROM rewards r USING {table} c WHERE r.call_id = c.id RETURNING r.source, r.created_at"
+                )
+            )
+            feedback = [at for source, at in rewards if source == "feedback"]
             await connection.execute(text(f"DELETE FROM responses r USING {table} c WHERE r.call_id = c.id"))
             await connection.commit()
             await connection.execute(text(f"ALTER TABLE calls DETACH PARTITION {table}"))
             await connection.execute(text(f"DROP TABLE {table}"))
             await connection.commit()
-            dropped.episodes += await _drop_orphaned_episodes(connection, episodes)
+            orphans, orphans_feedback = await _drop_orphaned_episodes(connection, episodes)
+            dropped.episodes += orphans
+            # The dashboard's rollup counted these calls and episodes by start, and feedback by arrival.
+            spans = [(at, at) for at in [*feedback, *orphans_feedback]]
+            if oldest is not None and partition.upper is not None:
+                spans.append((oldest - CALL_CLOCK_SLACK, partition.upper))
+            if spans:
+                await connection.execute(insert(RollupMark), span_marks(spans))
             await connection.commit()
             dropped.partitions.append(partition.name)
     finally:
@@ -215,9 +232,13 @@ async def _owners(connection: AsyncConnection, table: str) -> list[str | None]:
     return owners
 
 
-async def _drop_orphaned_episodes(connection: AsyncConnection, episode_ids: Sequence[str]) -> int:
-    """Delete those of `episode_ids` that have no call any more, with their rewards and stitch keys."""
+async def _drop_orphaned_episodes(
+    connection: AsyncConnection, episode_ids: Sequence[str]
+) -> tuple[int, list[datetime]]:
+    """Delete those of `episode_ids` that have no call any more, with their rewards and stitch keys; returns how
+    many, and when the feedback among those rewards arrived."""
     deleted = 0
+    feedback: list[datetime] = []
     for start in range(0, len(episode_ids), _CHUNK):
         chunk = list(episode_ids[start : start + _CHUNK])
         orphans = list(
@@ -234,10 +255,14 @@ async def _drop_orphaned_episodes(connection: AsyncConnection, episode_ids: Sequ
         )
         if not orphans:
             continue
-        await connection.execute(text("DELETE FROM rewards WHERE episode_id = ANY(:ids)"), {"ids": orphans})
+        rewards = await connection.execute(
+            text("DELETE FROM rewards WHERE episode_id = ANY(:ids) RETURNING source, created_at"),
+            {"ids": orphans},
+        )
+        feedback += [at for source, at in rewards if source == "feedback"]
         await connection.execute(
             text("DELETE FROM stitch_keys WHERE episode_id = ANY(:ids)"), {"ids": orphans}
         )
         await connection.execute(text("DELETE FROM episodes WHERE id = ANY(:ids)"), {"ids": orphans})
         deleted += len(orphans)
-    return deleted
+    return deleted, feedback

@@ -19,8 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstrumentedAttribute
 
 from storage.calls import CALL_CLOCK_SLACK
+from storage.dialect import utc
 from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey, StoredResponse
 from storage.policies import AdapterInfo, list_adapters
+from storage.rollups import mark_changed, mark_span
 
 _CHUNK = 500
 
@@ -40,16 +42,23 @@ async def prune_calls(session: AsyncSession, policy: str | None, before: datetim
     """Delete the policy's calls created before `before` (None: the calls no policy row owns), then the
     episodes left without calls.
 
-    Rewards and stored responses of what is deleted go with it. Returns (calls, episodes) deleted; the caller
-    commits.
+    Rewards and stored responses of what is deleted go with it, and the dashboard's rollup is marked to be
+    summed again where they were counted. Returns (calls, episodes) deleted; the caller commits.
     """
     old = Call.created_at < before  # also keeps PostgreSQL's deletes in the day partitions before `before`
-    call_ids = list((await session.scalars(select(Call.id).where(_owned_by(Call.policy, policy), old))).all())
+    doomed = (
+        await session.execute(select(Call.id, Call.created_at).where(_owned_by(Call.policy, policy), old))
+    ).all()
+    call_ids = [call_id for call_id, _ in doomed]
+    started = [created_at for _, created_at in doomed]
+    feedback_at: list[datetime] = []
     for chunk in _chunks(call_ids):
-        await session.execute(delete(Reward).where(Reward.call_id.in_(chunk)))
+        feedback_at += await _delete_rewards(session, Reward.call_id.in_(chunk))
         await session.execute(delete(StoredResponse).where(StoredResponse.call_id.in_(chunk)))
         await session.execute(delete(Call).where(Call.id.in_(chunk), old))
-    candidates = select(Episode.id).where(_owned_by(Episode.policy, policy), Episode.created_at < before)
+    candidates = select(Episode.id, Episode.created_at).where(
+        _owned_by(Episode.policy, policy), Episode.created_at < before
+    )
     if session.get_bind().dialect.name == "postgresql":
         # One probe per episode, of the day partitions from its start on: as a NOT EXISTS the planner would hash
         # every call of the table.
@@ -65,12 +74,26 @@ async def prune_calls(session: AsyncSession, policy: str | None, before: datetim
         candidates = candidates.outerjoin(probe, true()).where(probe.c.found.is_(None))
     else:
         candidates = candidates.where(~exists().where(Call.episode_id == Episode.id))
-    episode_ids = list((await session.scalars(candidates)).all())
+    orphans = (await session.execute(candidates)).all()
+    episode_ids = [episode_id for episode_id, _ in orphans]
+    started += [created_at for _, created_at in orphans]
     for chunk in _chunks(episode_ids):
-        await session.execute(delete(Reward).where(Reward.episode_id.in_(chunk)))
+        feedback_at += await _delete_rewards(session, Reward.episode_id.in_(chunk))
         await session.execute(delete(StitchKey).where(StitchKey.episode_id.in_(chunk)))
         await session.execute(delete(Episode).where(Episode.id.in_(chunk)))
+    # The dashboard's rollup counted these rows in [oldest, before), and feedback by when it arrived.
+    if started:
+        await mark_span(session, min(utc(at) for at in started), before)
+    await mark_changed(session, feedback_at)
     return len(call_ids), len(episode_ids)
+
+
+async def _delete_rewards(session: AsyncSession, condition: ColumnElement[bool]) -> list[datetime]:
+    """Delete these rewards; returns when the feedback among them arrived (the rollup counts it then)."""
+    deleted = await session.execute(
+        delete(Reward).where(condition).returning(Reward.source, Reward.created_at)
+    )
+    return [created_at for source, created_at in deleted if source == "feedback"]
 
 
 async def checkpoint_wal(session: AsyncSession) -> None:

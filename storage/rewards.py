@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.dialect import insert
 from storage.models import Call, Episode, JudgeGroup, Reward
+from storage.rollups import mark_changed
 
 
 @dataclass(frozen=True)
@@ -169,43 +170,51 @@ async def oldest_unlinked(
 async def link_pending(session: AsyncSession) -> set[str]:
     """Link unlinked rewards whose call or episode is now stored; returns the episodes that gained rewards."""
     touched: set[str] = set()
+    arrived: list[datetime] = []  # when each linked reward arrived: the rollup counts feedback by it
     # Feedback from a key confined to a project links only to that project's calls and episodes.
     same_project = or_(Reward.project.is_(None), Reward.project == Episode.project)
     by_call = await session.execute(
-        select(Reward.id, Call.episode_id)
+        select(Reward.id, Call.episode_id, Reward.created_at)
         .join(Call, Call.id == Reward.call_id)
         .join(Episode, Episode.id == Call.episode_id)
         .where(Reward.status != "linked", Reward.call_id.is_not(None), same_project)
     )
-    for reward_id, episode_id in by_call:
+    for reward_id, episode_id, created_at in by_call:
         await session.execute(
             update(Reward).where(Reward.id == reward_id).values(episode_id=episode_id, status="linked")
         )
         touched.add(episode_id)
+        arrived.append(created_at)
     # Early feedback may name a client's own request id: it goes to the newest call that carried it.
     by_client_id = await session.execute(
-        select(Reward.id, Call.id, Call.episode_id)
+        select(Reward.id, Call.id, Call.episode_id, Reward.created_at)
         .join(Call, Call.client_request_id == Reward.call_id)
         .join(Episode, Episode.id == Call.episode_id)
         .where(Reward.status != "linked", Reward.call_id.is_not(None), same_project)
         .order_by(Call.created_at)
     )
-    newest = {reward_id: (call_id, episode_id) for reward_id, call_id, episode_id in by_client_id}
-    for reward_id, (call_id, episode_id) in newest.items():
+    newest = {
+        reward_id: (call_id, episode_id, created_at)
+        for reward_id, call_id, episode_id, created_at in by_client_id
+    }
+    for reward_id, (call_id, episode_id, created_at) in newest.items():
         await session.execute(
             update(Reward)
             .where(Reward.id == reward_id)
             .values(call_id=call_id, episode_id=episode_id, status="linked")
         )
         touched.add(episode_id)
+        arrived.append(created_at)
     by_episode = await session.execute(
-        select(Reward.id, Episode.id)
+        select(Reward.id, Episode.id, Reward.created_at)
         .join(Episode, Episode.id == Reward.episode_id)
         .where(Reward.status != "linked", Reward.call_id.is_(None), same_project)
     )
-    for reward_id, episode_id in by_episode:
+    for reward_id, episode_id, created_at in by_episode:
         await session.execute(update(Reward).where(Reward.id == reward_id).values(status="linked"))
         touched.add(episode_id)
+        arrived.append(created_at)
+    await mark_changed(session, arrived)
     return touched
 
 

@@ -8,6 +8,7 @@ their values), so a training batch can always say where a reward came from.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from storage.episodes import episode_policies, set_episode_reward
 from storage.policies import get_policy
 from storage.rewards import RewardInfo, rewards_for_episodes
+from storage.rollups import mark_changed
 from trainer.policy_config import RewardConfig, RewardRule, load_policy_config
 
 
@@ -77,11 +79,15 @@ async def refresh_episode_rewards(
     signals = await rewards_for_episodes(session, list(policies))
     configs: dict[str | None, RewardConfig] = {}
     derived: dict[str, float | None] = {}
+    started: list[datetime] = []
     for episode_id, policy in policies.items():
         if policy not in configs:
             configs[policy] = await policy_reward_config(session, policy)
         result = derive_reward(signals.get(episode_id, []), configs[policy].rule)
         value, provenance = result if result is not None else (None, None)
-        await set_episode_reward(session, episode_id, value, provenance)
+        if (at := await set_episode_reward(session, episode_id, value, provenance)) is not None:
+            started.append(at)
         derived[episode_id] = value
+    # The dashboard's rollup sums rewards by when their episode started, perhaps long ago.
+    await mark_changed(session, started)
     return derived

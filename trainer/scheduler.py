@@ -44,6 +44,7 @@ from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, releas
 from storage.partitions import DroppedDays, drop_expired_partitions, ensure_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
+from storage.rollups import REFRESH_INTERVAL_S, refresh_if_stale
 from storage.training import last_data_cutoff
 from trainer.gate import GateResult, VersionSampler, evaluate
 from trainer.judge_job import judge_policy
@@ -598,6 +599,9 @@ class PolicyScheduler:
         self._scheduler.add_job(
             self.sync, "interval", seconds=self.refresh_s, id="kaizen:sync", next_run_time=_now()
         )
+        self._scheduler.add_job(
+            self.roll_up, "interval", seconds=REFRESH_INTERVAL_S, id="kaizen:rollups", next_run_time=_now()
+        )
         if self.runner.config.retention_cron:
             self._scheduler.add_job(
                 self.runner.scheduled_prune,
@@ -624,6 +628,14 @@ class PolicyScheduler:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
         await self.runner.close()
+
+    async def roll_up(self) -> None:
+        """Keep the dashboard's rollup current (one replica at a time; the others find it busy or fresh)."""
+        try:
+            # Half the interval: a run a moment early must not find the last one just fresh enough.
+            await refresh_if_stale(self.database, REFRESH_INTERVAL_S / 2)
+        except Exception:
+            logger.exception("could not refresh the dashboard's rollups")
 
     def jobs(self) -> list[tuple[str, datetime | None]]:
         """(job id, next run time) of every policy job, for inspection."""

@@ -4,6 +4,8 @@ operations, audited with the logged-in key as the actor."""
 
 from __future__ import annotations
 
+import math
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import msgspec
@@ -16,10 +18,11 @@ from gateway.auth import KeyRing, digest, principal_of
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, promote_version, roll_back
 from gateway.controllers.runs import ScheduleView, set_paused
-from gateway.dashboard.sessions import SessionSigner, requires_login
-from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
+from gateway.dashboard.sessions import LoginThrottle, SessionSigner, requires_login, session_of
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, PermissionDenied
 from gateway.feedback import FeedbackResult, FeedbackService, Id
 from gateway.scheduling import Jobs
+from storage.logouts import record_logout
 
 LABEL_NAME = "dashboard"
 """The reward name of a label given in the dashboard (its source is `feedback`, as for any person's rating)."""
@@ -64,14 +67,28 @@ class DashboardLogin(Controller):
     async def login(
         self, data: JSONBody[Login], keys: NamedDependency[KeyRing], request: Request[Any, Any, Any]
     ) -> Response[LoggedIn]:
-        """Log in with the admin key or a managed key with the `admin` scope; answers with the session cookie."""
+        """Log in with the admin key or a managed key with the `admin` scope; answers with the session cookie.
+        An address that failed too often is refused for a while, whatever key it sends."""
+        throttle: LoginThrottle = request.app.state.dashboard_throttle
+        address = request.client.host if request.client is not None else ""
+        wait = throttle.retry_after(address)
+        if wait is not None:
+            raise APIError(
+                f"Too many failed logins from this address; try again in {math.ceil(wait)} s.",
+                status_code=429,
+                code="too_many_failed_logins",
+                retry_after=wait,
+            )
         principal = keys.lookup(f"Bearer {data.key}")
         if principal is None:
+            throttle.failed(address)
             raise AuthenticationError("Unknown or revoked key.", code="invalid_api_key")
         if "admin" not in principal.scopes:
+            throttle.failed(address)
             raise PermissionDenied(
                 "This key lacks the `admin` scope the dashboard needs.", code="insufficient_scope"
             )
+        throttle.succeeded(address)
         signer: SessionSigner = request.app.state.dashboard_signer
         response = Response(LoggedIn(safe_next(data.next), principal.actor))
         response.set_cookie(signer.cookie(signer.issue(digest(data.key))))
@@ -83,8 +100,17 @@ class DashboardActions(Controller):
     guards = [requires_login(page=False)]  # noqa: RUF012
 
     @post("/logout", status_code=200)
-    async def logout(self, request: Request[Any, Any, Any]) -> Response[dict[str, str]]:
-        """End the session in this browser (the cookie is cleared)."""
+    async def logout(
+        self,
+        request: Request[Any, Any, Any],
+        session: NamedDependency[AsyncSession],
+        keys: NamedDependency[KeyRing],
+    ) -> Response[dict[str, str]]:
+        """End the session everywhere: the cookie is cleared, and a copy of it is refused by every gateway
+        (at once by this one, by the others at their next key refresh)."""
+        current = session_of(request)
+        await record_logout(session, current.nonce, datetime.fromtimestamp(current.expires, UTC))
+        keys.end_session(current.nonce, current.expires)
         signer: SessionSigner = request.app.state.dashboard_signer
         response = Response({"next": "/dashboard/login"})
         response.set_cookie(signer.cleared_cookie())

@@ -44,9 +44,28 @@ def duration(start: datetime | None, end: datetime | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-FILTERS: dict[str, Callable[..., str]] = {
+def metric(value: Any, *path: str) -> Any:
+    """A value inside nested metrics (`runs.metrics`, `adapters.metrics`), or None where any step is missing or
+    not an object: runs of other modes and versions carry other keys, and a page must not fail on them."""
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def listing(value: Any) -> str:
+    """A list as `a; b`, anything else as it is (a metric that is a string here and a list elsewhere)."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return "; ".join(str(item) for item in value)
+    return str(value)
+
+
+FILTERS: dict[str, Callable[..., Any]] = {
     "when": when,
     "number": number,
     "duration": duration,
     "text": message_text,
+    "metric": metric,
+    "listing": listing,
 }

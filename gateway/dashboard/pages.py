@@ -30,21 +30,21 @@ from storage.dashboard import (
     EpisodeCursor,
     EpisodeFilter,
     VersionEvent,
+    activity,
     episode_created_at,
     episode_detail,
     episode_rewards,
-    episode_totals,
     judge_series,
     list_episodes,
     list_judge_groups,
     list_sources,
     queue_neighbour,
-    reward_series,
-    traffic_series,
     version_events,
 )
+from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
+from storage.rollups import refresh_if_stale
 from trainer.policy_config import InvalidPolicyConfig, load_policy_config
 
 PAGE_SIZE = 50
@@ -178,6 +178,7 @@ class DashboardPages(Controller):
         self,
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
+        database: NamedDependency[Database],
         window: Text = None,
         policy: Text = None,
     ) -> Template:
@@ -185,8 +186,11 @@ class DashboardPages(Controller):
         key, since, until, step = _window(_blank(window))
         chosen = _blank(policy)
         axis = time_axis(since, until)
-        traffic = await traffic_series(session, since, until, step, chosen)
-        totals = await episode_totals(session, since, until, chosen)
+        # Without a scheduler nothing else keeps the rollups current; with one, this finds them fresh.
+        await refresh_if_stale(database)
+        summed = await activity(session, since, until, step, chosen)
+        traffic = summed.traffic()
+        totals = summed.totals()
         x = [b.start.timestamp() for b in traffic]
         charts = [
             Chart(
@@ -237,7 +241,7 @@ class DashboardPages(Controller):
         for info in policies:
             if chosen is not None and info.name != chosen:
                 continue
-            points = await reward_series(session, info.name, since, until, step)
+            points = summed.rewards(info.name)
             by_version: dict[int | None, list[tuple[float, float]]] = {}
             for point in points:
                 by_version.setdefault(point.version, []).append((point.start.timestamp(), point.mean_reward))
@@ -289,6 +293,7 @@ class DashboardPages(Controller):
         self,
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
+        settings: NamedDependency[Settings],
         policy: Text = None,
         version: Text = None,
         min_reward: Text = None,
@@ -320,7 +325,10 @@ class DashboardPages(Controller):
             text=_blank(q),
             source=_blank(source),
         )
-        rows, cursor = await list_episodes(session, filt, PAGE_SIZE, decode_cursor(after))
+        found = await list_episodes(
+            session, filt, PAGE_SIZE, decode_cursor(after), text_window=settings.dashboard_search_episodes
+        )
+        cursor = found.next
         form = {
             "policy": policy or "",
             "version": version or "",
@@ -342,9 +350,11 @@ class DashboardPages(Controller):
             context=_context(
                 request,
                 "episodes",
-                rows=rows,
+                rows=found.rows,
                 form=form,
                 next_url=next_url,
+                searched_to=found.searched_to,
+                search_window=settings.dashboard_search_episodes,
                 first_url=f"/dashboard/episodes?{urlencode(kept)}" if after else None,
                 policies=[p.name for p in await list_policies(session)],
                 sources=await list_sources(session),
@@ -507,25 +517,27 @@ class DashboardPages(Controller):
         if info.kind == "train":
             log_tail = await asyncio.to_thread(_tail, settings.data_dir / "logs" / f"train-{info.policy}.log")
         metrics = info.metrics
-        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        data, gate = metrics.get("data"), metrics.get("gate")
+        laid_out = {key for key, kind in _LAID_OUT if isinstance(metrics.get(key), kind)}
+        rest = {k: v for k, v in metrics.items() if k not in laid_out}
+        lists = _non_scalars(rest)
         return Template(
             "run.html.j2",
             context=_context(
                 request,
                 "runs",
                 run=info,
-                numbers=numbers,
-                data=metrics.get("data") if isinstance(metrics.get("data"), dict) else None,
-                gate=metrics.get("gate") if isinstance(metrics.get("gate"), dict) else None,
+                # Whatever a mode or version of the trainer reports: scalars by dotted path in tables, lists
+                # and the rest as JSON; only the keys below get charts or rows of their own.
+                numbers=_scalars(rest),
+                data=_scalars(data) if isinstance(data, dict) else None,
+                gate=gate if isinstance(gate, dict) else None,
+                gate_more={k: v for k, v in _scalars(gate).items() if k.split(".")[0] not in _GATE_SHOWN}
+                if isinstance(gate, dict)
+                else {},
                 charts=_step_charts(metrics),
                 config=_pretty(info.config),
-                other=_pretty(
-                    {
-                        k: v
-                        for k, v in metrics.items()
-                        if k not in numbers and k not in ("data", "gate", "collapse", "history")
-                    }
-                ),
+                other=_pretty(lists) if lists else None,
                 log_tail=log_tail,
             ),
         )
@@ -647,50 +659,89 @@ def _run_charts(trains: Sequence[RunInfo]) -> list[Any]:
     ]
 
 
+_LAID_OUT: tuple[tuple[str, type], ...] = (
+    ("data", dict),
+    ("gate", dict),
+    ("history", list),
+    ("collapse", list),
+)
+"""Metrics the run page lays out itself when they have the expected shape (else they are listed generically)."""
+_GATE_SHOWN = frozenset(
+    {
+        "decision",
+        "candidate_version",
+        "candidate_reward",
+        "active_version",
+        "active_reward",
+        "tolerance",
+        "groups",
+        "reasons",
+        "collapse_problems",
+        "wall_s",
+        "candidate_signals",
+        "active_signals",
+    }
+)
+"""Gate fields the run page lays out itself; any other is listed under them."""
+MAX_STEP_CHARTS = 8
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalars(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Numbers, strings, booleans and nulls of nested objects, by dotted path (lists are left out)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_scalars(value, path + "."))
+        elif not isinstance(value, list):
+            out[path] = value
+    return out
+
+
+def _non_scalars(values: dict[str, Any]) -> dict[str, Any]:
+    """The lists among nested objects, by dotted path: what the tables of scalars leave out."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in _non_scalars(value).items()})
+        elif isinstance(value, list):
+            out[key] = value
+    return out
+
+
+def _per_step(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(step, value) of every row with a number under `key`; a row without a step counts by its place."""
+    return [
+        (float(row["step"]) if _is_number(row.get("step")) else float(n), float(row[key]))
+        for n, row in enumerate(rows)
+        if _is_number(row.get(key))
+    ]
+
+
 def _step_charts(metrics: dict[str, Any]) -> list[Any]:
-    """Within one run (x: optimizer step): loss per step, and the collapse guard's signals at each check."""
+    """Within one run (x: optimizer step): every number the trainer logged per step (loss first), each on its
+    own chart, and the collapse guard's signals at each check on one."""
     charts = []
     history = metrics.get("history")
-    if isinstance(history, list) and history:
-        rows = [h for h in history if isinstance(h, dict)]
-        charts.append(
-            render(
-                Chart(
-                    "Loss per optimizer step",
-                    [
-                        Series(
-                            "loss",
-                            [
-                                (float(h["step"]), float(h["loss"]))
-                                for h in rows
-                                if isinstance(h.get("loss"), int | float)
-                            ],
-                        )
-                    ],
-                    number_axis(),
-                )
-            )
-        )
+    rows = [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
+    keys = sorted({k for row in rows for k, v in row.items() if k != "step" and _is_number(v)})
+    keys.sort(key=lambda k: k != "loss")
+    for key in keys[:MAX_STEP_CHARTS]:
+        title = "Loss per optimizer step" if key == "loss" else f"{key} per optimizer step"
+        charts.append(render(Chart(title, [Series(key, _per_step(rows, key))], number_axis())))
     collapse = metrics.get("collapse")
-    if isinstance(collapse, list) and collapse:
-        rows = [c for c in collapse if isinstance(c, dict)]
-        names = ("distinct_share", "empty_share", "repetition", "kl_to_base", "mean_entropy")
+    checks = [c for c in collapse if isinstance(c, dict)] if isinstance(collapse, list) else []
+    signals = sorted({k for c in checks for k, v in c.items() if k != "step" and _is_number(v)})
+    if signals:
         charts.append(
             render(
                 Chart(
                     "Collapse signals at each check",
-                    [
-                        Series(
-                            name,
-                            [
-                                (float(c.get("step", 0)), float(c[name]))
-                                for c in rows
-                                if isinstance(c.get(name), int | float)
-                            ],
-                        )
-                        for name in names
-                        if any(isinstance(c.get(name), int | float) for c in rows)
-                    ],
+                    [Series(name, _per_step(checks, name)) for name in signals],
                     number_axis(),
                 )
             )

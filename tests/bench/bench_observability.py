@@ -2,6 +2,8 @@
 
 - metrics: `CallMetrics.call`, what the request path runs per call when KAIZEN_METRICS is on (off, it runs
   nothing), over a few label combinations as real traffic has; and one scrape's rendering.
+- the per-route counter: `count_responses` around an ASGI app that answers at once, against the bare app,
+  for a plain answer and a stream of 20 chunks (the middleware sees every chunk go by).
 - traces: `CallTracer.record`, what the request path runs per captured call when KAIZEN_OTEL_TRACES is on, and
   the same plus the batch exporter's own work (encoding, HTTP to an OTLP receiver in a child process) once
   everything is flushed: the CPU one traced call costs the gateway process in all.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -24,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.metrics import CallMetrics
+from gateway.metrics import CallMetrics, count_responses
 from gateway.settings import Settings
 from gateway.tracing import CallTracer
 from storage.records import CallRecord
@@ -62,6 +66,45 @@ def bench_metrics(calls: int, repeats: int) -> dict[str, float]:
     per_call = _per_call_us(run, calls, repeats)
     scrape = _per_call_us(lambda: generate_latest(registry), 1, repeats)
     return {"call_us": per_call, "render_us": scrape}
+
+
+def bench_route_counter(calls: int, repeats: int) -> dict[str, float]:
+    """CPU per request that `count_responses` adds: the wrapped app minus the bare one, same requests."""
+    metrics = CallMetrics(CollectorRegistry())
+
+    def answering(chunks: int) -> ASGIApp:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for _ in range(chunks - 1):
+                await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        return app
+
+    async def sink(message: Message) -> None:
+        return None
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scopes: list[Any] = [
+        {"type": "http", "method": "POST", "path_template": route, "state": {}}
+        for route in ("/v1/chat/completions", "/v1/embeddings", "/v1/feedback")
+    ]
+    out: dict[str, float] = {}
+    for name, chunks in (("plain", 1), ("stream_20_chunks", 20)):
+        bare = answering(chunks)
+        counted = count_responses(metrics)(bare)
+        timings = {}
+        for label, app in (("bare", bare), ("counted", counted)):
+
+            async def many(app: ASGIApp = app) -> None:
+                for i in range(calls):
+                    await app(scopes[i % 3], receive, sink)
+
+            timings[label] = _per_call_us(lambda many=many: asyncio.run(many()), calls, repeats)
+        out[f"{name}_us"] = timings["counted"] - timings["bare"]
+    return out
 
 
 def _record(i: int) -> CallRecord:
@@ -160,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "load_average": os.getloadavg(),
         "unix_time": int(time.time()),
         "metrics": bench_metrics(args.calls * 10, args.repeats),
+        "route_counter": bench_route_counter(args.calls * 10, args.repeats),
         "traces": bench_traces(args.calls, args.repeats, content=False),
         "traces_with_content": bench_traces(args.calls, args.repeats, content=True),
     }

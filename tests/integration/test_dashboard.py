@@ -13,7 +13,7 @@ from openai import OpenAI
 from gateway.dashboard.pages import encode_cursor
 from storage.dashboard import EpisodeCursor
 from tests.conftest import query
-from tests.support.dashboard import csrf_token, login, seed_policy_runs
+from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_unusual_run
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 
@@ -78,6 +78,49 @@ def test_login_sets_a_safe_cookie_and_logout_ends_it(make_gateway: MakeGateway, 
         out = browser.post("/dashboard/logout", headers={"x-kaizen-csrf": token})
         assert out.status_code == 200
         assert browser.get("/dashboard").status_code == 303
+
+
+def test_logout_ends_the_session_on_every_replica(make_gateway: MakeGateway, database_url: str) -> None:
+    # Two replicas of one deployment: the same database and dashboard secret.
+    shared = {"admin_key": ADMIN, "dashboard_secret": "one-secret-for-both", "policy_refresh_s": 0.2}
+    first, second = make_gateway(database_url, **shared), make_gateway(database_url, **shared)
+    browser = login(first.url, ADMIN)
+    copied = browser.cookies["kaizen_dashboard"]  # what a stolen cookie would be
+
+    def status(gateway: GatewayServer) -> int:
+        return httpx.get(
+            gateway.url + "/dashboard", headers={"cookie": f"kaizen_dashboard={copied}"}
+        ).status_code
+
+    assert status(first) == 200 and status(second) == 200
+    assert browser.post("/dashboard/logout").status_code == 200
+    assert status(first) == 303  # at once where the logout happened
+    wait_until(lambda: status(second) == 303, "the other replica to refuse the logged-out cookie", 10)
+    assert query(database_url, "SELECT count(*) AS n FROM dashboard_logouts")[0]["n"] == 1
+    # Another login of the same key is a new session, untouched by that logout.
+    assert login(second.url, ADMIN).get("/dashboard").status_code == 200
+
+
+def test_failed_logins_are_throttled_per_client_address(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url, admin_key=ADMIN, dashboard_login_failures=3, dashboard_login_window_s=2.0)
+    guesser = httpx.Client(base_url=gw.url)
+    for _ in range(3):
+        assert guesser.post("/dashboard/session", json={"key": "guess"}).status_code == 401
+    refused = guesser.post("/dashboard/session", json={"key": ADMIN})  # even the right key, for now
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "too_many_failed_logins"
+    assert 1 <= int(refused.headers["retry-after"]) <= 2
+    # Another address is not affected (the loopback network answers from 127.0.0.2 too).
+    other = httpx.Client(base_url=gw.url, transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    assert other.post("/dashboard/session", json={"key": ADMIN}).status_code == 200
+    wait_until(
+        lambda: guesser.post("/dashboard/session", json={"key": ADMIN}).status_code == 200,
+        "the failures to leave the window",
+        timeout_s=10,
+        every_s=0.5,
+    )
+    guesser.close()
+    other.close()
 
 
 def test_sessions_expire_and_end_when_the_key_is_revoked(
@@ -152,6 +195,29 @@ def test_pages_show_traffic_episodes_runs_and_judge_groups(
         assert ADMIN not in browser.get(page).text
     assert browser.get("/dashboard/episodes?min_reward=abc").status_code == 400
     assert browser.get("/dashboard?window=9y").status_code == 400
+
+
+def test_runs_of_unknown_shapes_render_their_metrics_generically(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy_runs(database_url, "bot", versions=2)
+    run_id = seed_unusual_run(database_url, "bot")
+    gw = make_gateway(database_url, admin_key=ADMIN)
+    browser = login(gw.url, ADMIN)
+    page = browser.get(f"/dashboard/runs/{run_id}")
+    assert page.status_code == 200, page.text
+    for shown in ("resampled.rare_successes", "examples", "sft", "learning_rate per optimizer step"):
+        assert shown in page.text, shown
+    assert "Loss per optimizer step" in page.text and 'id="gate-decision"' not in page.text
+    other = re.search(r'id="run-other">(.*?)</pre>', page.text, re.S)
+    assert other is not None and "bootstrap" in other.group(1)
+    assert "skipped" in page.text and "checked" in page.text  # a gate and collapse of another shape
+    overview = browser.get("/dashboard?window=1h")  # its version changes read the runs' gates too
+    assert overview.status_code == 200 and "gate promoted v1" in overview.text
+    for listing in ("/dashboard/runs", "/dashboard/runs?policy=bot", "/dashboard/policies/bot"):
+        answer = browser.get(listing)
+        assert answer.status_code == 200, (listing, answer.text)
+        assert f'href="/dashboard/runs/{run_id}"' in answer.text
 
 
 def test_episode_filters_and_keyset_pages(make_gateway: MakeGateway, database_url: str) -> None:

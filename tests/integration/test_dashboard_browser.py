@@ -1,7 +1,8 @@
 """The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright, against a real gateway.
 
-Logs in, opens every page, labels episodes from the review queue with the keyboard (and finds the reward rows
-in SQL), promotes a version and sees the gateway serve it, logs out. The engine is the scripted upstream in
+Logs in, opens every page (a run of an unknown shape too), searches text, labels episodes from the review
+queue with the keyboard (and finds the reward rows in SQL), promotes a version and sees the gateway serve it,
+logs out (a copy of the cookie stops working too) and is throttled after failed logins. The engine is the scripted upstream in
 its vLLM mode (it serves vLLM's runtime LoRA API), so policy versions route as with vLLM without its start-up
 cost; the gateway, the database and the browser are the real ones. Screenshots of every step go to
 `tests/artifacts/dashboard-<database>/` (git-ignored), printed at the end.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import shutil
 import tempfile
 import time
@@ -24,7 +26,7 @@ from openai import OpenAI
 from playwright.sync_api import BrowserContext, Page, expect, sync_playwright
 
 from tests.conftest import query
-from tests.support.dashboard import seed_policy_runs
+from tests.support.dashboard import seed_policy_runs, seed_unusual_run
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_upstream import ScriptedUpstream
@@ -116,6 +118,9 @@ def _gateway(
         api_keys=[CLIENT],
         admin_key=ADMIN,
         policy_refresh_s=0.2,
+        # Small enough to see within a few episodes: SQLite's text search window, the failed-login limit.
+        dashboard_search_episodes=2,
+        dashboard_login_failures=3,
     )
 
 
@@ -132,19 +137,26 @@ def test_browse_label_and_promote_in_chromium(
     for _ in range(3):
         _served_by(gw, "bot")
     gw.flush()
+    unusual = seed_unusual_run(database_url, "bot")
     episodes = [
         r["id"] for r in query(database_url, "SELECT id FROM episodes ORDER BY created_at DESC, id DESC")
     ]
     shots = ARTIFACTS / f"dashboard-{request.node.callspec.id}"
     with chromium() as browser:
-        _walk_through(browser, gw, database_url, episodes, shots)
+        _walk_through(browser, gw, database_url, episodes, shots, unusual)
     print(f"\nscreenshots: {shots} ({time.monotonic() - started:.1f} s)")
 
 
 def _walk_through(
-    browser: BrowserContext, gw: GatewayServer, database_url: str, episodes: list[str], shots: Path
+    browser: BrowserContext,
+    gw: GatewayServer,
+    database_url: str,
+    episodes: list[str],
+    shots: Path,
+    unusual_run: int,
 ) -> None:
-    """Every page, the review queue by keyboard, a promotion and a rollback, and logging out."""
+    """Every page, a run of another shape, a text search, the review queue by keyboard, a promotion and a
+    rollback, logging out (everywhere) and a throttled login."""
     page = browser.new_page()
     dialogs: list[str] = []
 
@@ -188,6 +200,29 @@ def _walk_through(
     page.click("#run-list tbody tr >> nth=-1 >> a")
     expect(page.locator("#gate-decision")).to_have_text("promote")
     steps.shot("run")
+    # A run of a shape the dashboard has never seen (another training mode, new counters) renders them all.
+    page.goto(f"{gw.url}/dashboard/runs/{unusual_run}")
+    expect(page.locator("#run-numbers")).to_contain_text("examples")
+    expect(page.locator("#run-data")).to_contain_text("resampled.rare_successes")
+    expect(page.locator("svg.chart")).to_have_count(2)  # loss and learning_rate per step
+    steps.shot("run-of-another-mode")
+
+    # Text search for the oldest episode. SQLite reads 2 episodes per request here and says how far it got;
+    # "search older episodes" goes on. PostgreSQL finds it at once through its trigram index.
+    oldest = sql(database_url, "SELECT request FROM calls WHERE episode_id = :e", e=episodes[-1])[0]
+    request = json.loads(oldest["request"]) if isinstance(oldest["request"], str) else oldest["request"]
+    page.goto(gw.url + "/dashboard/episodes")
+    page.fill('#episode-filters input[name="q"]', request["messages"][-1]["content"])
+    page.click('#episode-filters button[type="submit"]')
+    target = page.locator(f'#episode-list tr[data-episode="{episodes[-1]}"]')
+    for _ in range(len(episodes)):
+        if target.count():
+            break
+        expect(page.locator("#search-window")).to_contain_text("2 episodes per request")
+        steps.shot("search-window")
+        page.click("#next-page")
+    expect(target).to_have_count(1)
+    steps.shot("search-found")
 
     # The review queue, by keyboard: the newest unrewarded episode first; u = thumbs up, j = next,
     # s = score (Enter saves), k = back.
@@ -246,10 +281,24 @@ def _walk_through(
     expect(page.locator("#active-version")).to_have_text("v0")
     wait_until(lambda: _served_by(gw, "bot") == "bot@0", "the gateway to serve the rolled-back version")
 
-    # Logging out ends the session in this browser.
+    # Logging out ends the session in this browser, and on the server: a copy of the cookie is refused too.
+    copied = {c["name"]: c["value"] for c in page.context.cookies()}
+    assert httpx.get(gw.url + "/dashboard", cookies=copied).status_code == 200
     page.click("#logout")
     expect(page).to_have_url(gw.url + "/dashboard/login")
     page.goto(gw.url + "/dashboard/episodes")
     expect(page).to_have_url(f"{gw.url}/dashboard/login?next=%2Fdashboard%2Fepisodes")
     assert httpx.get(gw.url + "/dashboard", cookies={}).status_code == 303
+    assert httpx.get(gw.url + "/dashboard", cookies=copied).status_code == 303
+
+    # Three wrong keys from this address, and the login form refuses even the right one for a while.
+    for _ in range(3):
+        page.fill("#login-key", "a-wrong-guess")
+        page.press("#login-key", "Enter")
+        expect(page.locator("#flash")).to_contain_text("Unknown or revoked key")
+        page.evaluate("document.getElementById('flash').textContent = ''")
+    page.fill("#login-key", ADMIN)
+    page.press("#login-key", "Enter")
+    expect(page.locator("#flash")).to_contain_text("Too many failed logins")
+    steps.shot("login-throttled")
     page.close()

@@ -239,3 +239,48 @@ def test_every_metric_the_dashboard_queries_is_exposed(make_gateway: MakeGateway
     exposed = {f.name for f in families} | {s.name for f in families for s in f.samples}
     missing = sorted(n for n in _dashboard_metrics() if n not in exposed)
     assert missing == [], f"the dashboard queries metrics the gateway does not expose: {missing}"
+
+
+def test_every_route_counts_its_answers_by_template_method_and_status(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    gw = make_gateway(
+        f"sqlite:///{tmp_path / 'routes.db'}",
+        api_keys=[CLIENT],
+        admin_key=ADMIN,
+        rate_limit_rpm=2,
+        rate_limit_window_s=3600,
+    )
+    client = {"authorization": f"Bearer {CLIENT}"}
+    chat = {"model": "scripted-1", "messages": [{"role": "user", "content": "hi"}]}
+    answers = [
+        httpx.post(gw.url + "/v1/chat/completions", json=chat, headers=client).status_code,
+        httpx.get(gw.url + "/v1/episodes/no-such-episode", headers=client).status_code,
+        # The third /v1 request of the hour is over the limit: the rate limiter answers it, no handler.
+        httpx.post(gw.url + "/v1/chat/completions", json=chat, headers=client).status_code,
+        httpx.post(
+            gw.url + "/v1/feedback", json={"request_id": "nope", "value": 1.0}, headers=client
+        ).status_code,
+        httpx.post(
+            gw.url + "/v1/feedback", content=b"x", headers={**client, "content-type": "text/plain"}
+        ).status_code,
+        httpx.get(gw.url + "/admin/capture", headers={"authorization": f"Bearer {ADMIN}"}).status_code,
+        httpx.get(gw.url + "/admin/capture").status_code,
+        httpx.get(gw.url + "/dashboard/episodes/ep-1").status_code,
+    ]
+    assert answers == [200, 404, 429, 200, 415, 200, 401, 303]
+    samples = scrape(gw)
+
+    def answered(route: str, method: str, status: int) -> float:
+        return value(samples, "kaizen_http_requests_total", route=route, method=method, status=str(status))
+
+    assert answered("/v1/chat/completions", "POST", 200) == 1
+    assert answered("/v1/chat/completions", "POST", 429) == 1
+    assert answered("/v1/episodes/{episode_id}", "GET", 404) == 1  # the template, not the raw path
+    assert answered("/v1/feedback", "POST", 200) == 1
+    assert answered("/v1/feedback", "POST", 415) == 1
+    assert answered("/admin/capture", "GET", 200) == 1
+    assert answered("/admin/capture", "GET", 401) == 1
+    assert answered("/dashboard/episodes/{episode_id}", "GET", 303) == 1
+    routes = {dict(labels)["route"] for name, labels in samples if name == "kaizen_http_requests_total"}
+    assert not any("no-such-episode" in r or "ep-1" in r for r in routes)

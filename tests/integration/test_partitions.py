@@ -72,8 +72,10 @@ def test_the_migration_partitions_stored_calls_and_carries_indexes_and_views_ove
     old, new = call("p", at(3)), call("p", at(0))
 
     async def before() -> None:
-        await upgrade_database(url, "0009")
+        # Stored by today's writer, then taken back to the revision before partitioning.
+        await upgrade_database(url)
         assert await store(url, [old, new]) == 2
+        await downgrade(url, "0012")
         database = Database(url)
         try:
             async with database.engine.begin() as connection:  # as another revision might
@@ -184,6 +186,7 @@ def test_retention_drops_a_day_only_when_all_its_calls_are_past_their_owners_ret
             async with database.session() as session:
                 session.add(Reward(call_id=day20[0].id, source="feedback", value=1.0))
                 session.add(Reward(call_id=day10[1].id, source="feedback", value=1.0))
+                await session.execute(text("DELETE FROM rollup_marks"))  # what the writes marked
                 await session.commit()
             jobs = runner(database, tmp_path)
             jobs.config = dataclasses.replace(jobs.config, retention_calls_days=5.0)
@@ -202,6 +205,10 @@ def test_retention_drops_a_day_only_when_all_its_calls_are_past_their_owners_ret
     assert set(parts) == {day10[1].id, *(c.id for c in day1)}
     rewards = asyncio.run(fetch_rows(url, "SELECT call_id FROM rewards"))
     assert rewards == [{"call_id": day10[1].id}]
+    # The dashboard's rollup sums the dropped day again (and the feedback that went with it).
+    dropped_at = datetime.fromtimestamp(day20[0].created_at, UTC)
+    marks = asyncio.run(fetch_rows(url, "SELECT since, until FROM rollup_marks"))
+    assert any(m["since"] <= dropped_at < m["until"] for m in marks), marks
     episodes = {r["id"] for r in asyncio.run(fetch_rows(url, "SELECT id FROM episodes"))}
     # The episode with a call on day 20 and one on day 1 keeps its remaining call.
     assert episodes == {day10[1].id, day1[0].id, spanning}

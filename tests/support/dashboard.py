@@ -1,5 +1,6 @@
 """Helpers of the dashboard tests: log in like the login page does, read a page's CSRF token, and store the
-rows a training and a judging run leave behind (running real ones is other tests' business)."""
+rows a training and a judging run leave behind (running real ones is other tests' business), and a run of a
+shape the dashboard has never seen."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.jobs import start_job_run, update_run
-from storage.policies import activate_version, add_adapter, create_policy
+from storage.policies import activate_version, add_adapter, create_policy, get_policy
 from storage.rewards import record_judge_group
 from storage.schema import upgrade_database
 
@@ -111,3 +112,40 @@ def seed_policy_runs(url: str, policy: str, versions: int, adapter_root: str | N
         await database.dispose()
 
     asyncio.run(run())
+
+
+def seed_unusual_run(url: str, policy: str) -> int:
+    """A run and a version whose metrics the dashboard has never seen: another training mode, new counters,
+    a gate that is a word, a history without steps, collapse checks as an object."""
+
+    async def run() -> int:
+        database = Database(async_database_url(url))
+        async with database.session() as session:
+            info = await get_policy(session, policy)
+            assert info is not None
+            await add_adapter(
+                session, info.id, 9, "/adapters/x/9", metrics={"mode": "sft", "loss": [0.3], "examples": 12}
+            )
+            run_id = await start_job_run(session, info.id, "train", 0, {"trigger": "manual", "mode": "sft"})
+            await update_run(
+                session,
+                run_id,
+                status="succeeded",
+                to_version=9,
+                metrics={
+                    "mode": "sft",
+                    "examples": 12,
+                    "loss": "n/a",
+                    "data": {"resampled": {"rare_successes": 3, "copies": 6}, "kept": 12},
+                    "gate": "skipped",
+                    "history": [{"loss": 0.4, "learning_rate": 1e-5}, {"loss": 0.3, "learning_rate": 2e-5}],
+                    "collapse": {"checked": False},
+                    "tags": ["bootstrap", "first"],
+                },
+                finished_at=datetime.now(UTC),
+            )
+            await session.commit()
+        await database.dispose()
+        return run_id
+
+    return asyncio.run(run())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.dashboard.sessions import SessionSigner
+from gateway.dashboard.sessions import LoginThrottle, SessionSigner
 
 
 def _signer(secret: bytes = b"k" * 32, ttl_s: float = 60) -> SessionSigner:
@@ -45,3 +45,34 @@ def test_the_cookie_is_http_only_strict_and_scoped_to_the_dashboard() -> None:
         True,
         60,
     )
+
+
+def test_failed_logins_close_an_address_until_the_oldest_failure_leaves_the_window() -> None:
+    now = [1000.0]
+    throttle = LoginThrottle(3, 60.0, clock=lambda: now[0])
+    for at in (1000.0, 1010.0, 1030.0):
+        now[0] = at
+        assert throttle.retry_after("10.0.0.1") is None
+        throttle.failed("10.0.0.1")
+    assert throttle.retry_after("10.0.0.1") == 30.0  # the failure at 1000 leaves the window at 1060
+    now[0] = 1059.0
+    assert throttle.retry_after("10.0.0.1") == 1.0
+    assert throttle.retry_after("10.0.0.2") is None  # per address
+    now[0] = 1060.0
+    assert throttle.retry_after("10.0.0.1") is None
+    throttle.failed("10.0.0.1")  # failures at 1010, 1030, 1060
+    assert throttle.retry_after("10.0.0.1") == 10.0
+    throttle.succeeded("10.0.0.1")
+    assert throttle.retry_after("10.0.0.1") is None
+
+
+def test_the_throttle_remembers_a_bounded_number_of_addresses_and_can_be_off() -> None:
+    now = [0.0]
+    throttle = LoginThrottle(2, 60.0, clock=lambda: now[0], max_addresses=100)
+    for n in range(1000):
+        throttle.failed(f"10.0.{n // 256}.{n % 256}")
+    assert len(throttle._failures) <= 100
+    off = LoginThrottle(0, 60.0)
+    for _ in range(100):
+        off.failed("10.0.0.1")
+    assert off.retry_after("10.0.0.1") is None
