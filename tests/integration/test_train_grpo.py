@@ -73,6 +73,14 @@ CONFIG = {
 }
 
 
+def scored_request(data_dir: Path, embedded_model: Path) -> TrainRequest:
+    """A CPU training request for `shortbot` whose collapse checks score replies with its reward function."""
+    scorer = Scorer(load_policy_config(CONFIG).rewards, JudgeSettings(model=""))
+    return TrainRequest(
+        "shortbot", data_dir, str(embedded_model), scorer=PolicyReplyScorer(scorer, "shortbot"), device="cpu"
+    )
+
+
 def sampler(model_dir: Path, adapter: str | None, seed: int) -> LocalSampler:
     torch.manual_seed(seed)
     model, tokenizer = load_policy(str(model_dir), adapter, TrainConfig(seed=seed), pick_device())
@@ -117,15 +125,7 @@ def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model:
                 await create_policy(session, "shortbot", "smollm2-135m-instruct", CONFIG)
                 await session.commit()
             await insert_data(db, old_samples, "shortbot")
-            scorer = Scorer(load_policy_config(CONFIG).rewards, JudgeSettings(model=""))
-            request = TrainRequest(
-                "shortbot",
-                tmp_path / "data",
-                str(embedded_model),
-                scorer=PolicyReplyScorer(scorer, "shortbot"),
-                device="cpu",
-            )
-            outcome = await run_training(db, request)
+            outcome = await run_training(db, scored_request(tmp_path / "data", embedded_model))
             async with db.session() as session:
                 from storage.policies import get_policy
 

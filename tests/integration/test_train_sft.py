@@ -26,13 +26,10 @@ from tests.integration.test_train_grpo import (
     insert_data,
     mean_reward,
     sampler,
+    scored_request,
 )
 from tests.support.training_data import write_demonstrations
-from trainer.grouping import PolicyReplyScorer
-from trainer.job import TrainRequest, run_training
-from trainer.policy_config import load_policy_config
-from trainer.ruler import JudgeSettings
-from trainer.scoring import Scorer
+from trainer.job import run_training
 
 IMPORTED = [(prompt, answer) for prompt, answer in zip(PROMPTS, ["Blue", "Cat", "Paris"], strict=False)]
 
@@ -76,14 +73,7 @@ def test_sft_on_the_best_replies_raises_reward_of_fresh_samples(tmp_path: Path, 
                 await session.commit()
             await insert_data(db, old_samples, "shortbot")
             await write_demonstrations(db, "shortbot", IMPORTED, source="import")
-            scorer = Scorer(load_policy_config(config).rewards, JudgeSettings(model=""))
-            request = TrainRequest(
-                "shortbot",
-                tmp_path / "data",
-                str(embedded_model),
-                scorer=PolicyReplyScorer(scorer, "shortbot"),
-                device="cpu",
-            )
+            request = scored_request(tmp_path / "data", embedded_model)
             return await run_training(db, request)
         finally:
             await db.dispose()
