@@ -41,8 +41,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
-from gateway.responses import ResponsesService
-from gateway.responses_store import ResponseStore
+from gateway.responses.service import ResponsesService
+from gateway.responses.store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings

@@ -440,7 +440,7 @@ class ErrorResponse(Struct):
 
 # ----------------------------------------------------------------------------- Responses API: request
 # `CreateResponse` and the parts of it the gateway translates into a chat completion. Input items are told
-# apart by hand (`gateway.responses_input`): the spec lets a message and an item reference leave out `type`.
+# apart by hand (`gateway.responses.request`): the spec lets a message and an item reference leave out `type`.
 
 
 class InputTextPart(Struct, tag_field="type", tag="input_text"):

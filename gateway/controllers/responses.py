@@ -15,8 +15,8 @@ from gateway.controllers.params import PathName
 from gateway.errors import APIError, NotFound
 from gateway.protocol import ResponseDeleted, ResponseItemList
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
-from gateway.responses import ResponsesService
-from gateway.responses_store import KnownResponse
+from gateway.responses.service import ResponsesService
+from gateway.responses.store import KnownResponse
 
 ItemLimit = Annotated[int, Parameter(ge=1, le=100)]
 ItemId = Annotated[str, Parameter(max_length=256)]

@@ -19,21 +19,21 @@ from gateway.protocol import (
     ToolCallChunkFunction,
     Usage,
 )
-from gateway.responses_input import (
-    chat_body,
-    extra_fields,
-    parse_items,
-    parse_request,
-    to_messages,
-    translate_tools,
-)
-from gateway.responses_output import (
+from gateway.responses.output import (
     ResponseEvents,
     ResponseShape,
     call_id_of,
     from_captured,
     from_completion,
     to_builtins,
+)
+from gateway.responses.request import (
+    chat_body,
+    extra_fields,
+    parse_items,
+    parse_request,
+    to_messages,
+    translate_tools,
 )
 from tests.support.openai_schema import validate
 

@@ -3,7 +3,7 @@ captured and rewarded through `ChatService`, then answered as a `Response` (or i
 
 Each create is one `calls` row whose request holds the translated chat messages, so training, judging,
 episodes and feedback treat it like chat traffic. A `previous_response_id` chain continues the episode of the
-response it names; the response itself is stored beside its call (`gateway.responses_store`).
+response it names; the response itself is stored beside its call (`gateway.responses.store`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,19 @@ from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError, InvalidRequest
 from gateway.normalize import Captured
 from gateway.protocol import FunctionCallItem, FunctionCallOutputItem, InputMessageItem
-from gateway.responses_input import (
+from gateway.responses.output import (
+    ResponseEvents,
+    ResponseShape,
+    call_id_of,
+    captured_reply,
+    encode,
+    encode_event,
+    from_captured,
+    from_completion,
+    response_id,
+    to_builtins,
+)
+from gateway.responses.request import (
     LOGPROBS_INCLUDE,
     InputItem,
     ResolvedItem,
@@ -32,19 +44,7 @@ from gateway.responses_input import (
     to_messages,
     translate_tools,
 )
-from gateway.responses_output import (
-    ResponseEvents,
-    ResponseShape,
-    call_id_of,
-    captured_reply,
-    encode,
-    encode_event,
-    from_captured,
-    from_completion,
-    response_id,
-    to_builtins,
-)
-from gateway.responses_store import KnownResponse, ResponseStore
+from gateway.responses.store import KnownResponse, ResponseStore
 from storage.records import ResponseRecord
 
 _ITEM_MODELS: dict[str, type[ResolvedItem]] = {
