@@ -25,7 +25,7 @@ from tests.integration.test_feedback import add_policy
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.polling import wait_until
-from tests.support.scripted_upstream import ScriptedUpstream, text_token_ids
+from tests.support.scripted_upstream import REFUSAL, ScriptedUpstream, text_token_ids
 
 MakeGateway = Callable[..., GatewayServer]
 JSON_COLUMNS = ("request", "response", "completion_token_ids", "completion_logprobs", "body", "input_items")
@@ -366,6 +366,46 @@ def test_structured_output(make_gateway: MakeGateway, database_url: str, upstrea
     validate("Response", raw.http_response.json())
     assert json.loads(raw.parse().output_text) == {"ok": True}
     assert upstream.requests[-1].body["response_format"] == {"type": "json_object"}
+
+
+def test_a_refusal_is_relayed_streamed_or_not_and_kept(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    created = sdk(gw).responses.create(model="scripted-1", input="#refuse the secret")
+    [message] = created.output
+    assert message.type == "message"
+    assert [(p.type, getattr(p, "refusal", None)) for p in message.content] == [("refusal", REFUSAL)]
+
+    streamed = stream(gw, {"model": "scripted-1", "input": "#refuse the secret", "stream": True})
+    kinds = [e["type"] for e in streamed]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.refusal.delta"] * len(REFUSAL.split()),
+        "response.refusal.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert streamed[3]["part"] == {"type": "refusal", "refusal": ""}
+    deltas = [e for e in streamed if e["type"] == "response.refusal.delta"]
+    assert "".join(e["delta"] for e in deltas) == REFUSAL
+    assert {(e["item_id"], e["output_index"], e["content_index"]) for e in deltas} == {
+        (streamed[2]["item"]["id"], 0, 0)
+    }
+    assert streamed[-4]["refusal"] == REFUSAL
+    assert streamed[-3]["part"] == {"type": "refusal", "refusal": REFUSAL}
+    final = streamed[-1]["response"]
+    assert final["output"][0]["content"] == [{"type": "refusal", "refusal": REFUSAL}]
+
+    # Both are stored as they were answered, and both calls keep the refusal as the assistant's reply.
+    for response_id in (created.id, final["id"]):
+        [kept] = sdk(gw).responses.retrieve(response_id).output
+        assert kept.model_dump()["content"] == [{"type": "refusal", "refusal": REFUSAL}]
+    assert [r["response"]["choices"][0]["message"] for r in calls(gw, database_url)] == [
+        {"role": "assistant", "content": None, "refusal": REFUSAL}
+    ] * 2
 
 
 def test_tool_choice_logprobs_and_what_agents_send(
