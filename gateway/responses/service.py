@@ -112,7 +112,8 @@ class ResponsesService:
         )
         call = ResponseCall(ctx, shape)
         if request.store is not False:
-            ctx.store_response = lambda captured: self._store(call, items, referenced, captured)
+            earlier = previous.chain_items() if previous is not None else []
+            ctx.store_response = lambda captured: self._store(call, earlier, items, referenced, captured)
         return call
 
     async def _resolve(self, items: Sequence[InputItem], principal: Principal) -> dict[str, ResolvedItem]:
@@ -139,14 +140,18 @@ class ResponsesService:
     def _store(
         self,
         call: ResponseCall,
+        earlier: list[dict[str, Any]],
         items: Sequence[InputItem],
         referenced: Mapping[str, ResolvedItem],
         captured: Captured,
     ) -> ResponseRecord:
-        """What is stored of a served create (as its call is, redacted), kept in memory for continuations."""
+        """What is stored of a served create (as its call is, redacted), kept in memory for continuations.
+
+        Its input items are those of the whole chain (`earlier`: what the responses it continues were given
+        and answered), as OpenAI lists them."""
         ctx, shape = call.ctx, call.shape
         body = to_builtins(from_captured(shape, captured))
-        input_items = item_resources(items, referenced, ctx.call_id)
+        input_items = [*earlier, *item_resources(items, referenced, ctx.call_id)]
         skip = 1 if shape.request.instructions is not None else 0
         conversation = [*ctx.body["messages"][skip:], captured_reply(captured)["message"]]
         redactor = self.chat.router.redactor(ctx.route.policy)

@@ -32,7 +32,7 @@ class KnownResponse:
     """A stored response with what continuing it needs."""
 
     body: dict[str, Any]  # the Response object
-    input_items: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]  # those of the whole chain, oldest first
     conversation: list[dict[str, Any]]  # its call's chat messages (instructions left out) and the reply
     episode_id: str
     episode_resolved: (
@@ -40,6 +40,11 @@ class KnownResponse:
     )
     project: str
     durable: bool  # false: served with `X-Kaizen-No-Log`, kept in this replica's memory only
+
+    def chain_items(self) -> list[dict[str, Any]]:
+        """What a response continuing this one was generated from before its own input: this one's input
+        items (its chain's included) and its output items."""
+        return [*self.input_items, *self.body.get("output", ())]
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         """One of its output or input items, by id."""

@@ -539,6 +539,53 @@ def test_stored_responses_get_input_items_and_delete(make_gateway: MakeGateway, 
     assert len(calls(gw, database_url)) == 3
 
 
+def _item(item: dict[str, Any]) -> tuple[Any, ...]:
+    if item["type"] == "message":
+        return item["id"], item["role"], item["content"][0]["text"]
+    return item["id"], item["type"], item["call_id"]
+
+
+def test_input_items_list_the_whole_chain(make_gateway: MakeGateway, database_url: str) -> None:
+    """As OpenAI lists them: the items a response was generated from, those of the responses it continues
+    (their input and their output) included, oldest first with `order=asc`; instructions are not items."""
+    gw = make_gateway(database_url)
+    client = sdk(gw)
+    first = client.responses.create(
+        model="scripted-1", instructions="Be brief.", input="#tool weather?", tools=[WEATHER]
+    )
+    [call] = first.output
+    assert call.type == "function_call"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = client.responses.create(model="scripted-1", previous_response_id=first.id, input=[output])
+    third = client.responses.create(model="scripted-1", previous_response_id=second.id, input="thanks")
+    [answer] = second.output
+    whole = [
+        (f"in_{first.id[5:]}_0", "user", "#tool weather?"),
+        (call.id, "function_call", call.call_id),
+        (f"in_{second.id[5:]}_0", "function_call_output", call.call_id),
+        (answer.id, "assistant", "echo: sunny"),
+        (f"in_{third.id[5:]}_0", "user", "thanks"),
+    ]
+
+    def listed(gateway: GatewayServer, response_id: str, **params: Any) -> list[tuple[Any, ...]]:
+        page = httpx.get(f"{gateway.url}/v1/responses/{response_id}/input_items", params=params)
+        assert page.status_code == 200, page.text
+        validate("ResponseItemList", page.json())
+        return [_item(i) for i in page.json()["data"]]
+
+    assert listed(gw, third.id, order="asc") == whole
+    assert listed(gw, third.id) == whole[::-1]  # newest first by default
+    assert listed(gw, second.id, order="asc") == whole[:3]
+    assert listed(gw, first.id) == whole[:1]
+    assert [i.id for i in client.responses.input_items.list(third.id, limit=2, after=whole[-2][0]).data] == [
+        whole[2][0],
+        whole[1][0],
+    ]
+    # Another replica reads the same from SQL.
+    gw.flush()
+    assert listed(make_gateway(database_url), third.id, order="asc") == whole
+
+
 def test_a_chain_continues_on_another_replica_and_after_a_restart(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
