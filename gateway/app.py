@@ -173,7 +173,10 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
     responses = ResponsesService(
         chat,
         ResponseStore(
-            database, cache_size=settings.responses_cache_size, read_wait_s=settings.responses_read_wait_s
+            database,
+            cache_size=settings.responses_cache_size,
+            read_wait_s=settings.responses_read_wait_s,
+            recheck_s=settings.responses_recheck_s,
         ),
     )
     relay = RelayService(

@@ -57,7 +57,7 @@ class ResponsesController(Controller):
     async def _find(
         self, request: Request[Any, Any, Any], responses: ResponsesService, response_id: str
     ) -> KnownResponse:
-        found = await responses.store.find(response_id, principal_of(request))
+        found = await responses.store.read(response_id, principal_of(request))
         if found is None:
             raise _not_found(response_id)
         return found

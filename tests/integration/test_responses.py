@@ -617,6 +617,36 @@ def test_a_chain_continues_on_another_replica_and_after_a_restart(
     assert {r.headers["x-episode-id"] for r in (first, second, third)} == {first.headers["x-episode-id"]}
 
 
+def test_a_response_deleted_on_another_replica_is_not_read_from_memory(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A replica that holds a response in memory checks SQL on a read once its copy is older than
+    `KAIZEN_RESPONSES_RECHECK_S`: a delete on another replica is seen there within that interval."""
+    first = make_gateway(database_url)
+    second = make_gateway(database_url, responses_recheck_s=0.3)
+    created = sdk(first).responses.create(model="scripted-1", input="one")
+    first.flush()
+    assert sdk(second).responses.retrieve(created.id).output_text == "echo: one"  # now in its memory
+    sdk(first).responses.delete(created.id)
+    wait_until(
+        lambda: httpx.get(f"{second.url}/v1/responses/{created.id}").status_code == 404,
+        "the other replica to see the delete",
+    )
+    listed = httpx.get(f"{second.url}/v1/responses/{created.id}/input_items")
+    assert listed.status_code == 404 and listed.json()["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError, match="previous_response_not_found"):
+        sdk(second).responses.create(model="scripted-1", input="two", previous_response_id=created.id)
+
+    # A check that finds its call not written yet (still queued here) keeps the copy: it is not deleted.
+    slow = make_gateway(database_url, responses_recheck_s=0.0, capture_flush_ms=3_000.0)
+    queued = sdk(slow).responses.create(model="scripted-1", input="queued")
+    assert sdk(slow).responses.retrieve(queued.id).output_text == "echo: queued"
+    assert rows(database_url, "SELECT id FROM calls WHERE id = :id", id=queued.id[5:]) == []
+    slow.flush()
+    assert len(rows(database_url, "SELECT id FROM responses WHERE id = :id", id=queued.id)) == 1
+    assert sdk(slow).responses.retrieve(queued.id).output_text == "echo: queued"
+
+
 def test_item_references_and_no_log(
     make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream
 ) -> None:
