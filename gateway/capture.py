@@ -1,227 +1,198 @@
-"""Capture: every answered call is durable before its answer goes out, and reaches SQL without the request
-waiting on the database.
+"""Capture: every answered call is durable before its answer goes out, and reaches SQL without the serving
+process waiting on, or working for, the database.
 
-`CaptureSink.submit` appends the record to a write-ahead log (JSON lines, one `write()` to the OS per call, so a
-process kill loses nothing; fsync is batched on a timer, which bounds what a power loss can take) and to a
-bounded in-memory queue. One writer task inserts batches from the queue and then settles their log segments: a
-segment is truncated or deleted once every record in it is committed. At start-up, segments left by a killed
-process are replayed before the gateway serves. When the database fails, batches go to an append-only spool
-file (JSON lines) and are replayed in order once it answers again; while the spool holds anything, new batches
-are appended behind it so order is kept. Writes are idempotent by the server-generated call id, so a replayed
-record is stored once. Every path is counted; every loss is logged.
+The serving process only appends. `CaptureSink.submit` writes the call's record to the capture log (numbered
+JSON-lines segments under `<data_dir>/spool/log/`) with one `write()` to the OS, so a kill of the process loses
+nothing; fsync runs on a timer, which bounds what a power loss can take. The active segment is closed and a new
+one started every second (and at `segment_bytes`).
+
+A capture writer in a process of its own (`gateway.capture_writer`) tails the segments, decodes each line once
+and stores batches in SQL; it deletes a segment once every call in it is committed. A batch goes out when it is
+full, or early enough that its oldest call is committed within the flush window. Being a separate interpreter,
+its per-row work (decoding, parameter conversion, the drivers) never queues behind the serving thread for the
+interpreter lock, which is what held the backlog above the window when it was a thread here, and the serving
+process spends its CPU on serving.
+
+- **Start:** segments an earlier process left (killed, or past its drain timeout) are stored before the gateway
+  serves. Writes are idempotent by the server-generated call id, so a call is stored once.
+- **Database down:** the calls wait in the log (the log is the spool); the writer counts them, retries, and
+  stores them in order once the database answers.
+- **Shutdown:** after serving has ended, the log is closed and the writer drains it, for up to
+  `drain_timeout_s`; what is left stays in the log for the next start.
+- **The writer dies:** it is restarted after `retry_s`; the new one stores what the old one had not.
+- **The log cannot be written** (disk full): the call goes to the writer over its stdin instead, in memory only,
+  and `log_failures` counts it.
+
+The writer reports its counters after every batch; `snapshot()` (`GET /admin/capture`) merges them with this
+side's. Every loss is counted in `dropped` and logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import sys
-import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Coroutine, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import msgspec
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from storage.calls import write_calls
-from storage.database import Database
+from gateway.capture_writer import (
+    DRAIN,
+    LINE_LIMIT,
+    WriterConfig,
+    WriterLog,
+    WriterMessage,
+    WriterStatus,
+    segment_numbers,
+    segment_path,
+)
 from storage.records import CallRecord
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-# How long the storing thread may wait for the interpreter lock once its I/O is done (CPython's default is 5 ms).
-_SWITCH_INTERVAL_S = 0.0005
-
-_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (OperationalError, PoolTimeout, OSError, TimeoutError)
+# The active segment is closed this often (if it holds anything), so the writer can delete committed calls.
+_ROTATE_S = 1.0
+# How long the writer may take to exit past its own drain timeout before it is killed, and to report that it is
+# up (a drain is timed from then: its imports take seconds on a busy machine).
+_EXIT_GRACE_S = 5.0
+_START_TIMEOUT_S = 60.0
+# The writer must run this very code (the log's format and the pipe's messages are shared): the directory this
+# package was imported from goes first on its path, whatever the working directory is.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The spool file of earlier versions, which held calls while the database was down: stored like a leftover.
+_LEGACY_SPOOL = "calls.jsonl"
 
 
 @dataclass
 class CaptureStats:
-    queued: int = 0  # accepted into the in-memory queue
-    written: int = 0  # inserted into the database straight from the queue
-    spooled: int = 0  # appended to the spool file (database down, or queue full)
-    replayed: int = 0  # moved from the spool file into the database
-    recovered: int = 0  # read back from the write-ahead log at start-up (left by a killed process)
-    dropped: int = 0  # lost: could be neither written nor spooled, or rejected by the database as invalid
-    log_failures: int = 0  # could not be appended to the write-ahead log (not durable until written)
+    """This side's counters; the writer's are in `WriterStatus`."""
+
+    queued: int = 0  # submitted: appended to the log (or handed to the writer in memory)
+    dropped: int = 0  # lost on this side: neither in the log nor handed to a running writer
+    log_failures: int = 0  # could not be appended to the log (not durable until written)
     opted_out: int = 0  # served with `X-Kaizen-No-Log: true`, nothing stored
-
-
-def _read_records(path: Path, decoder: msgspec.json.Decoder[CallRecord]) -> Iterator[CallRecord]:
-    """Records of a JSON-lines file; a torn line (a kill in the middle of a write) is skipped and logged."""
-    with path.open("rb") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            try:
-                yield decoder.decode(line)
-            except msgspec.DecodeError:
-                log.error("skipping a torn line in %s (a crash mid-write)", path)
-
-
-def _batches(records: Iterable[CallRecord], size: int) -> Iterator[list[CallRecord]]:
-    batch: list[CallRecord] = []
-    for record in records:
-        batch.append(record)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    writer_restarts: int = 0  # the writer process exited unexpectedly and was started again
 
 
 class WriteAheadLog:
-    """Numbered JSON-lines segments (`<n>.jsonl`) holding every captured call until it is committed.
+    """The serving process's end of the capture log: numbered JSON-lines segments (`<n>.jsonl`), append-only.
 
-    `append` is one buffered write plus a flush: the line is in the OS once it returns, which survives a kill of
-    the process. Each segment counts its uncommitted records; `settle` truncates the active segment, or deletes a
-    rotated one, when that count reaches zero. All of this runs on the event loop, so no lock is needed.
+    `append` is one unbuffered `write()`: the line is in the OS once it returns, which survives a kill of the
+    process. A new segment is created right after the previous one is closed, so the writer can take a segment
+    as complete once the next exists. Only the event loop's thread appends, so no lock is needed.
     """
 
-    def __init__(self, directory: Path, segment_bytes: int) -> None:
+    def __init__(self, directory: Path, segment_bytes: int, *, fsync: bool = True) -> None:
         self.directory = directory
         self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        self.segment = 0
         self._encoder = msgspec.json.Encoder()
         self._file: IO[bytes] | None = None
-        self._segment = 0
         self._size = 0
-        self._open: dict[int, int] = {}  # segment -> records appended and not yet settled
-        self._dirty = False
+        self._dirty = False  # written since its last fsync
+        self._unsynced: list[int] = []  # duplicate descriptors of closed segments written since their fsync
+        self._created_at = time.monotonic()
 
-    def _path(self, segment: int) -> Path:
-        return self.directory / f"{segment:012d}.jsonl"
+    def open(self) -> int:
+        """Start a segment after any an earlier process left (they are the writer's leftovers); returns it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        found = segment_numbers(self.directory)
+        self.segment = max(self.segment, found[-1] + 1 if found else 0)
+        legacy = self.directory.parent / _LEGACY_SPOOL
+        if legacy.is_file():
+            if legacy.stat().st_size:
+                legacy.rename(segment_path(self.directory, self.segment))
+                self.segment += 1
+            else:
+                legacy.unlink()
+        self._create()
+        return self.segment
 
-    def leftovers(self) -> list[Path]:
-        """Segments left on disk by an earlier process, oldest first; new appends go to a later segment."""
-        if not self.directory.is_dir():
-            return []
-        found = sorted(p for p in self.directory.glob("*.jsonl") if p.stem.isdigit())
-        if found:
-            self._segment = max(self._segment, int(found[-1].stem) + 1)
-        return found
-
-    def append(self, record: CallRecord) -> int:
-        """Append one record; returns its segment number (handed back to `settle` once it is committed)."""
-        if self._file is None:
+    def append(self, record: CallRecord) -> None:
+        """Append one record. Raises OSError when it is not in the log."""
+        if self._file is None:  # closed at shutdown: a call finished after the drain waits for the next start
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = self._path(self._segment).open("ab")
-            self._size = self._file.tell()
+            self._create()
+        assert self._file is not None
         line = self._encoder.encode(record) + b"\n"
-        self._file.write(line)
-        self._file.flush()
-        segment = self._segment
-        self._open[segment] = self._open.get(segment, 0) + 1
-        self._size += len(line)
+        written = self._file.write(line)
+        if written != len(line):  # a short write (disk full): its torn line ends this segment
+            self.rotate()
+            raise OSError(errno.ENOSPC, "short write to the capture log")
+        self._size += written
         self._dirty = True
         if self._size >= self.segment_bytes:
-            self._rotate()
-        return segment
+            self.rotate()
 
-    def settle(self, segments: Iterable[int]) -> None:
-        """These records are committed (or spooled): release segments that hold nothing else."""
-        for segment in segments:
-            left = self._open[segment] - 1
-            if left:
-                self._open[segment] = left
-                continue
-            del self._open[segment]
-            if segment == self._segment and self._file is not None:
-                self._file.seek(0)
-                self._file.truncate()
-                self._size = 0
-            else:
-                self._path(segment).unlink(missing_ok=True)
+    def rotate(self) -> None:
+        """Close the active segment and start the next (the writer then takes the closed one as complete)."""
+        self._close()
+        self.segment += 1
+        self._create()
 
-    @property
-    def unsettled(self) -> int:
-        return sum(self._open.values())
-
-    def size_bytes(self) -> int:
-        if not self.directory.is_dir():
-            return 0
-        return sum(p.stat().st_size for p in self.directory.glob("*.jsonl"))
+    async def tick(self) -> None:
+        """Every fsync interval (or second): close the active segment if it holds calls and is a rotation
+        interval old, so the writer can delete it once stored; fsync what was written, off the event loop."""
+        if self._file is not None and self._size and time.monotonic() - self._created_at >= _ROTATE_S:
+            self.rotate()
+        await self.sync()
 
     async def sync(self) -> None:
-        """fsync the active segment off the event loop (power-loss durability; a kill needs no fsync)."""
-        if not self._dirty or self._file is None:
-            return
-        self._dirty = False
-        handle = os.dup(self._file.fileno())  # the file may be rotated or closed while the thread syncs
-        try:
-            await asyncio.to_thread(os.fsync, handle)
-        finally:
-            os.close(handle)
-
-    def _rotate(self) -> None:
-        assert self._file is not None
-        self._file.close()
-        self._file = None
-        if self._segment not in self._open:
-            self._path(self._segment).unlink(missing_ok=True)
-        self._segment += 1
-        self._size = 0
-
-    def close(self) -> None:
-        """Close the active segment; what is still unsettled stays on disk for the next start."""
-        if self._file is None:
-            return
-        self._file.close()
-        self._file = None
-        if self._segment not in self._open:
-            self._path(self._segment).unlink(missing_ok=True)
-        else:
-            self._segment += 1
-
-
-class Spool:
-    """Append-only JSON-lines file of records waiting for a database that is down."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file: IO[bytes] | None = None
-        self._encoder = msgspec.json.Encoder()
-        self._decoder = msgspec.json.Decoder(CallRecord)
-
-    def append(self, records: list[CallRecord]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("ab")
-        self._file.write(b"".join(self._encoder.encode(r) + b"\n" for r in records))
-        self._file.flush()
-
-    @property
-    def pending(self) -> bool:
-        return self.path.exists() and self.path.stat().st_size > 0
+        """fsync every segment written since its last fsync (a kill needs none; a power loss does)."""
+        if self._dirty and self._file is not None and self.fsync:
+            self._unsynced.append(os.dup(self._file.fileno()))
+            self._dirty = False
+        handles, self._unsynced = self._unsynced, []
+        for handle in handles:
+            try:
+                await asyncio.to_thread(os.fsync, handle)
+            finally:
+                os.close(handle)
 
     def size_bytes(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
-
-    def read_batches(self, batch_size: int) -> list[list[CallRecord]]:
-        return list(_batches(_read_records(self.path, self._decoder), batch_size))
-
-    def clear(self) -> None:
-        self.close()
-        self.path.unlink(missing_ok=True)
+        total = 0
+        for segment in segment_numbers(self.directory):
+            with contextlib.suppress(FileNotFoundError):  # the writer deletes segments meanwhile
+                total += segment_path(self.directory, segment).stat().st_size
+        return total
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the active segment (deleted when empty). Later appends go to a new one."""
+        if self._file is None:
+            return
+        empty = not self._size
+        self._close()
+        if empty:
+            segment_path(self.directory, self.segment).unlink(missing_ok=True)
+        self.segment += 1
+
+    def _create(self) -> None:
+        self._file = segment_path(self.directory, self.segment).open("ab", buffering=0)
+        self._size = 0
+        self._dirty = False
+        self._created_at = time.monotonic()
+
+    def _close(self) -> None:
+        if self._file is None:
+            return
+        if self._dirty and self.fsync:
+            self._unsynced.append(os.dup(self._file.fileno()))
+        self._file.close()
+        self._file = None
 
 
 class RecentTargets:
     """Ids of recently submitted calls and their episodes (bounded), so feedback that arrives before the
-    writer stores its target (still queued, or in the spool) is recognised and accepted. Client request ids
-    map to the newest call that carried them."""
+    writer stores its target (still in the log, or waiting for the database) is recognised and accepted. Client
+    request ids map to the newest call that carried them."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -254,73 +225,73 @@ class RecentTargets:
 
 
 class CaptureSink:
-    """The write-ahead log, the bounded queue, its writer task and the spool."""
+    """The capture log and the writer process that stores it."""
 
     def __init__(
         self,
-        database: Database,
-        spool_path: Path,
+        database_url: str,
+        log_dir: Path,
         *,
-        wal_dir: Path | None = None,
-        queue_size: int = 50_000,
         batch_size: int = 500,
         flush_ms: float = 50.0,
         retry_s: float = 1.0,
         fsync_ms: float = 1000.0,
         segment_bytes: int = 16 * 2**20,
         drain_timeout_s: float = 30.0,
+        recent_size: int = 100_000,
     ) -> None:
-        self.database = database
-        self.spool = Spool(spool_path)
-        self.wal = WriteAheadLog(wal_dir or spool_path.parent / "log", segment_bytes)
+        self.database_url = database_url
+        self.wal = WriteAheadLog(log_dir, segment_bytes, fsync=fsync_ms > 0)
         self.stats = CaptureStats()
         self.batch_size = batch_size
-        self.flush_s = flush_ms / 1000
+        self.flush_ms = flush_ms
         self.retry_s = retry_s
-        self.fsync_s = fsync_ms / 1000
+        self.tick_s = fsync_ms / 1000 if fsync_ms > 0 else _ROTATE_S
         self.drain_timeout_s = drain_timeout_s
-        self.database_up = True
-        self.queue_size = queue_size
-        # (record, log segment, monotonic time it was submitted): the oldest one's age decides when to write.
-        self._queue: deque[tuple[CallRecord, int, float]] = deque()
-        self._wake = asyncio.Event()  # the queue went from empty to non-empty, or the sink is stopping
-        self._full = asyncio.Event()  # a whole batch is waiting, or the sink is stopping
+        self.recent = RecentTargets(recent_size)
+        self.writer = WriterStatus()  # the running writer's last report
+        self._earlier = WriterStatus()  # the counters of writers that exited unexpectedly, summed
+        self._handed = 0  # calls appended or piped since the running writer started
+        self._process: asyncio.subprocess.Process | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._closing = False
-        self._task: asyncio.Task[None] | None = None
-        self._sync_task: asyncio.Task[None] | None = None
-        self._next_replay = 0.0
-        self._unsettled = 0  # submitted records not yet in the database or the spool
-        self.recent = RecentTargets(max(queue_size, 100_000))
-        self._store_loop: asyncio.AbstractEventLoop | None = None
-        self._store_thread: threading.Thread | None = None
-        self._store_database: Database | None = None
-        self._switch_interval_s: float | None = None  # the process's own, restored when the thread stops
+        self._writer_up = asyncio.Event()  # the running writer has reported (its imports are done)
+        self._encoder = msgspec.json.Encoder()
+        self._decoder = msgspec.json.Decoder(WriterMessage)
 
     # ------------------------------------------------------------------ request path
     def submit(self, record: CallRecord) -> None:
-        """Make a record durable and hand it to the writer. Never blocks and never raises into the request:
+        """Make a record durable and leave it to the writer. Never blocks and never raises into the request:
         call it before the answer's last byte is sent."""
         self.recent.remember(record)
+        self.stats.queued += 1
         try:
-            segment = self.wal.append(record)
+            self.wal.append(record)
         except OSError:
             self.stats.log_failures += 1
             if self.stats.log_failures == 1 or self.stats.log_failures % 1000 == 0:
                 log.exception(
-                    "could not append to the capture log (%d calls so far): they are kept in memory only",
+                    "could not append to the capture log (%d calls so far): they go to the writer in memory",
                     self.stats.log_failures,
                 )
-            segment = -1
-        if len(self._queue) >= self.queue_size:
-            self._spool([record])
-            self._settle([segment])
+            self._pipe(record)
             return
-        self._queue.append((record, segment, time.monotonic()))
-        self.stats.queued += 1
-        self._unsettled += 1
-        self._wake.set()
-        if len(self._queue) >= self.batch_size:
-            self._full.set()
+        self._handed += 1
+
+    def _pipe(self, record: CallRecord) -> None:
+        process = self._process
+        if process is None or process.returncode is not None or process.stdin is None or self._closing:
+            self.stats.dropped += 1
+            log.error(
+                "dropped captured call %s: not in the capture log and no writer running (%d dropped so far)",
+                record.id,
+                self.stats.dropped,
+            )
+            return
+        process.stdin.write(self._encoder.encode(record) + b"\n")  # buffered by the transport; never blocks
+        self._handed += 1
 
     @property
     def closing(self) -> bool:
@@ -332,239 +303,160 @@ class CaptureSink:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Replay what a killed process left in the log (before serving), then start the writer."""
-        self._start_store_thread()
-        await self._recover()
-        self._task = asyncio.create_task(self._run(), name="capture-writer")
-        if self.fsync_s > 0:
-            self._sync_task = asyncio.create_task(self._sync_loop(), name="capture-fsync")
+        """Start the writer; when an earlier process left calls in the log, wait until they are stored (before
+        serving). Otherwise serving need not wait for the writer's start-up (a second or more of imports on a
+        busy machine): calls wait in the log meanwhile."""
+        live_from = self.wal.open()
+        await self._spawn(live_from)
+        if any(segment < live_from for segment in segment_numbers(self.wal.directory)):
+            await self._wait_ready()
+        self._supervisor = asyncio.create_task(self._supervise(), name="capture-writer-supervisor")
+        self._ticker = asyncio.create_task(self._tick(), name="capture-log-tick")
 
     async def stop(self) -> None:
-        """Write everything submitted, the batch in progress included, then stop (serving has ended by now).
-
-        Past `drain_timeout_s` the writer is cancelled; what it had not committed stays in the log and is
-        replayed at the next start.
-        """
+        """Serving has ended: close the log, and let the writer store everything in it, then exit."""
         self._closing = True
-        self._wake.set()
-        self._full.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.drain_timeout_s)
-            except TimeoutError:
-                log.warning(
-                    "capture drain took over %g s: %d calls stay in the log for the next start",
-                    self.drain_timeout_s,
-                    self.wal.unsettled,
-                )
-                self._task.cancel()
+        for task in (self._supervisor, self._ticker):
+            if task is not None:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
-            self._task = None
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
-            self._sync_task = None
-        if self.spool.pending:  # one last try: the database may be back (the spool is replayed at start too)
-            await self._replay()
+                    await task
+        self.wal.close()
         with contextlib.suppress(OSError):
             await self.wal.sync()
-        self.wal.close()
-        self.spool.close()
-        await self._stop_store_thread()
-
-    # ------------------------------------------------------------------ the storing thread
-    def _start_store_thread(self) -> None:
-        """SQL writes run on their own event loop in their own thread, with their own connections.
-
-        On the serving loop every await of the writer waited behind every in-flight request: under load a batch
-        of ~350 rows took ~900 ms there (measured, SQLite, c32), and the backlog grew past the flush window.
-        """
-        # After each of a batch's ~10 round trips the thread needs the interpreter lock back, and while the serving
-        # thread is busy it waited up to the switch interval each time: 50-75 ms per batch under load (c32,
-        # 2 cores), most of the capture backlog. A shorter interval only costs while both threads want to run.
-        self._switch_interval_s = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval_s, _SWITCH_INTERVAL_S))
-        loop = asyncio.new_event_loop()
-        self._store_loop = loop
-        self._store_database = Database(self.database.url)
-        self._store_thread = threading.Thread(target=loop.run_forever, name="capture-store", daemon=True)
-        self._store_thread.start()
-
-    async def _stop_store_thread(self) -> None:
-        loop, thread, database = self._store_loop, self._store_thread, self._store_database
-        if loop is None or thread is None or database is None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            log.warning(
+                "no capture writer at shutdown: calls not yet stored stay in the log for the next start"
+            )
             return
-        with contextlib.suppress(Exception):
-            await self._on_store_loop(database.dispose())
-        loop.call_soon_threadsafe(loop.stop)
-        await asyncio.to_thread(thread.join)
-        loop.close()
-        self._store_loop = self._store_thread = self._store_database = None
-        if self._switch_interval_s is not None:
-            sys.setswitchinterval(self._switch_interval_s)
-            self._switch_interval_s = None
+        assert process.stdin is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._writer_up.wait(), _START_TIMEOUT_S)
+        process.stdin.write(DRAIN)
+        with contextlib.suppress(ConnectionError):
+            await process.stdin.drain()
+        process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), self.drain_timeout_s + _EXIT_GRACE_S)
+        except TimeoutError:
+            log.error("the capture writer did not exit after its drain: killing it (the log keeps the calls)")
+            process.kill()
+            await process.wait()
+        if self._listener is not None:
+            await self._listener
+        left = self._handed - self.writer.settled
+        if left > 0:
+            log.warning("%d captured calls stay in the capture log for the next start", left)
 
-    async def _on_store_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        assert self._store_loop is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, self._store_loop))
+    # ------------------------------------------------------------------ the writer process
+    async def _spawn(self, live_from: int) -> None:
+        config = WriterConfig(
+            database_url=self.database_url,
+            log_dir=str(self.wal.directory),
+            live_from=live_from,
+            batch_size=self.batch_size,
+            flush_ms=self.flush_ms,
+            retry_s=self.retry_s,
+            drain_timeout_s=self.drain_timeout_s,
+            log_level=logging.getLogger("gateway.capture_writer").getEffectiveLevel(),
+        )
+        self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
+        self.writer = WriterStatus()
+        self._writer_up = asyncio.Event()
+        path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gateway.capture_writer",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))},
+            limit=LINE_LIMIT,
+        )
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(self._encoder.encode(config) + b"\n")
+        self._process = process
+        self._listener = asyncio.create_task(self._listen(process.stdout), name="capture-writer-listener")
 
-    async def _store(self, records: list[CallRecord]) -> int:
-        """write_calls in one transaction, on the storing thread's loop and connections once started."""
+    async def _listen(self, stdout: asyncio.StreamReader) -> None:
+        """The writer's counters and log records, until it exits."""
+        while line := await stdout.readline():
+            try:
+                message = self._decoder.decode(line)
+            except msgspec.DecodeError:
+                log.warning("unexpected output from the capture writer: %r", line[:200])
+                continue
+            self._writer_up.set()
+            if isinstance(message, WriterLog):
+                logging.getLogger(message.name).log(message.level, "%s", message.message)
+            else:
+                self.writer = message
 
-        async def store(database: Database) -> int:
-            async with database.session() as session:
-                return await write_calls(session, records)
-
-        if self._store_database is None:  # not started: tests that drive the writer directly
-            return await store(self.database)
-        return await self._on_store_loop(store(self._store_database))
-
-    @property
-    def settling(self) -> bool:
-        """Something submitted is not yet in the database: queued, being written, or in the spool."""
-        return self._unsettled > 0 or self.spool.pending
-
-    async def flush(self, timeout_s: float = 10.0) -> None:
-        """Wait until everything submitted so far is in the database or the spool (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        while self._unsettled > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+    async def _wait_ready(self) -> None:
+        process = self._process
+        assert process is not None
+        while not self.writer.ready:
+            if process.returncode is not None:
+                raise RuntimeError(f"the capture writer exited with status {process.returncode} at start-up")
             await asyncio.sleep(0.01)
 
-    # ------------------------------------------------------------------ writer
-    async def _recover(self) -> None:
-        decoder = msgspec.json.Decoder(CallRecord)
-        for path in self.wal.leftovers():
-            count = 0
-            for batch in _batches(_read_records(path, decoder), self.batch_size):
-                count += len(batch)
-                for record in batch:
-                    self.recent.remember(record)
-                await self._write_or_spool(batch, counter="recovered")
-            path.unlink()
-            if count:
-                log.info("recovered %d captured calls from %s (left by an earlier process)", count, path.name)
-
-    async def _run(self) -> None:
+    async def _supervise(self) -> None:
+        """Restart a writer that exits while the gateway serves; the new one stores what the old one had not."""
         while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.retry_s)
-            if 0 < len(self._queue) < self.batch_size and not self._closing:
-                # Collect until the oldest record is a flush window old (or a batch is full). The window counts
-                # from its submission, not from now: what arrived while the last batch was being written has
-                # waited already, and under load goes out as soon as the writer is free.
-                wait_s = self._queue[0][2] + self.flush_s - time.monotonic()
-                if wait_s > 0:
-                    self._full.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._full.wait(), wait_s)
-            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
-            records = [record for record, _, _ in batch]
-            try:
-                if records:
-                    await self._write_or_spool(records)
-                if self.spool.pending and time.monotonic() >= self._next_replay:
-                    await self._replay()
-            except Exception:  # the writer must outlive any single failure; the batch goes to the spool
-                log.exception("capture writer error")
-                self._spool(records)
-            finally:
-                # Written, spooled or counted dropped: the log no longer needs these records.
-                self._settle(segment for _, segment, _ in batch)
-                self._unsettled -= len(batch)
+            assert self._process is not None and self._listener is not None
+            status = await self._process.wait()
+            await self._listener
+            self.stats.writer_restarts += 1
+            log.error("the capture writer exited with status %s; restarting it in %g s", status, self.retry_s)
+            for name in ("written", "spooled", "replayed", "recovered", "dropped"):
+                setattr(self._earlier, name, getattr(self._earlier, name) + getattr(self.writer, name))
+            self.writer = WriterStatus()
+            await asyncio.sleep(self.retry_s)
+            self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
+            await self._spawn(self.wal.segment)
 
-    async def _sync_loop(self) -> None:
+    async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(self.fsync_s)
+            await asyncio.sleep(self.tick_s)
             try:
-                await self.wal.sync()
+                await self.wal.tick()
             except OSError:
-                log.exception("could not fsync the capture log")
+                log.exception("could not rotate or fsync the capture log")
 
-    def _settle(self, segments: Iterable[int]) -> None:
-        self.wal.settle(s for s in segments if s >= 0)
+    # ------------------------------------------------------------------ progress
+    @property
+    def settling(self) -> bool:
+        """Something submitted is not yet stored: in the log on its way, or waiting for the database."""
+        return not self.writer.ready or self.writer.settled < self._handed
 
-    async def _write_or_spool(self, batch: list[CallRecord], counter: str = "written") -> None:
-        if self.spool.pending or not self.database_up:
-            self._spool(batch)
-            return
-        written = await self._write(batch)
-        if written is None:
-            self._spool(batch)
-        else:
-            setattr(self.stats, counter, getattr(self.stats, counter) + written)
-
-    async def _write(self, batch: list[CallRecord]) -> int | None:
-        """Insert a batch; None when the database could not be reached (the caller spools it)."""
-        try:
-            return await self._store(batch)
-        except _CONNECTION_ERRORS as exc:
-            self._database_down(exc)
-            return None
-        except DBAPIError as exc:
-            if exc.connection_invalidated or not await self.database.ping():
-                self._database_down(exc)
-                return None
-            return await self._write_one_by_one(batch, exc)
-
-    def _database_down(self, exc: BaseException) -> None:
-        if self.database_up:
-            log.warning("database unreachable, spooling captured calls to %s: %s", self.spool.path, exc)
-        self.database_up = False
-        self._next_replay = time.monotonic() + self.retry_s
-
-    async def _write_one_by_one(self, batch: list[CallRecord], cause: BaseException) -> int:
-        """The database is up but refused the batch: isolate the records it rejects, count them dropped."""
-        log.error("database rejected a capture batch (%s); retrying record by record", cause)
-        written = 0
-        for record in batch:
-            try:
-                written += await self._store([record])
-            except DBAPIError as exc:
-                self.stats.dropped += 1
-                log.error(
-                    "dropped captured call %s (%d dropped so far): %s", record.id, self.stats.dropped, exc
-                )
-        return written
-
-    async def _replay(self) -> None:
-        if not await self.database.ping():
-            self._database_down(ConnectionError("ping failed"))
-            return
-        if not self.database_up:
-            log.info("database reachable again, replaying the spool")
-        self.database_up = True
-        self.spool.close()
-        for batch in self.spool.read_batches(self.batch_size):
-            written = await self._write(batch)
-            if written is None:
-                return  # still down; the whole file is replayed next time (writes are idempotent)
-            self.stats.replayed += written
-        self.spool.clear()
-
-    def _spool(self, records: list[CallRecord]) -> None:
-        try:
-            self.spool.append(records)
-            self.stats.spooled += len(records)
-        except OSError:
-            self.stats.dropped += len(records)
-            log.exception(
-                "could not spool %d captured calls: they are lost (%d dropped so far)",
-                len(records),
-                self.stats.dropped,
-            )
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until everything submitted so far is stored or held for a database that is down (tests)."""
+        process, target = self._process, self._handed
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process is not self._process:  # restarted: the new writer had the rest as leftovers
+                process, target = self._process, 0
+            if self.writer.ready and self.writer.settled + self.writer.held >= target:
+                return
+            await asyncio.sleep(0.005)
 
     def snapshot(self) -> dict[str, Any]:
+        writer, earlier = self.writer, self._earlier
         return {
-            **asdict(self.stats),
-            "queue_depth": len(self._queue),
-            "log_unsettled": self.wal.unsettled,
+            "queued": self.stats.queued,
+            "written": earlier.written + writer.written,
+            "spooled": earlier.spooled + writer.spooled,
+            "replayed": earlier.replayed + writer.replayed,
+            "recovered": earlier.recovered + writer.recovered,
+            "dropped": self.stats.dropped + earlier.dropped + writer.dropped,
+            "log_failures": self.stats.log_failures,
+            "opted_out": self.stats.opted_out,
+            "writer_restarts": self.stats.writer_restarts,
+            "queue_depth": max(0, self._handed - writer.settled - writer.held - writer.writing),
+            "writing": writer.writing,
+            "log_unsettled": max(0, self._handed - writer.settled),
             "log_bytes": self.wal.size_bytes(),
-            "spool_bytes": self.spool.size_bytes(),
-            "database_up": self.database_up,
+            "spool_bytes": writer.spool_bytes,
+            "database_up": writer.database_up,
         }

@@ -37,6 +37,7 @@ from gateway.routing import ModelRouter, Route
 from gateway.tracing import TRACE_HEADERS, CallTracer
 from storage.calls import recent_stitch_keys
 from storage.database import Database
+from storage.models import EPISODE_SOURCE_TRAFFIC
 from storage.records import CallRecord, ResponseRecord
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 _decode = msgspec.json.decode
 _encode = msgspec.json.Encoder().encode
 _PATH = re.compile(r"at `\$\.?(.*)`$")
+# `X-Kaizen-Source`: what a tool that sends calls on purpose (not an app's traffic) names its episodes.
+_SOURCE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
+_MAX_GROUP_KEY = 256  # the length of `episodes.group_key` and `calls.group_key`
 _DONE = b"data: [DONE]\n\n"
 # Request fields stored under their own keys; everything else is kept under `params`.
 _STORED_PARAMS = ("messages", "tools", "tool_choice")
@@ -64,6 +68,8 @@ class CallContext:
     capture: bool
     started: float
     principal: Principal
+    group_key: str | None = None
+    source: str = EPISODE_SOURCE_TRAFFIC
     # The caller's tokens-per-window meter, when tokens are rate limited: charged with the call's usage.
     charge_tokens: Callable[[int], None] | None = None
     # For a `/v1/responses` call with `store`: given the captured reply of a served call, the response object
@@ -266,6 +272,8 @@ class ChatService:
             header_episode = continues
         episode = assign_episode(header_episode, request.metadata, hashes, self.stitch)
         supplied = headers.get("x-request-id")
+        group_key = (request.metadata or {}).get("group_key") or _group_key(headers.get("x-kaizen-group-key"))
+        source = headers.get("x-kaizen-source")
         return CallContext(
             call_id=new_id(),
             client_request_id=supplied if supplied and valid_id(supplied) else None,
@@ -278,6 +286,8 @@ class ChatService:
             capture=headers.get("x-kaizen-no-log", "").lower() not in ("true", "1", "yes"),
             started=started,
             principal=principal,
+            group_key=group_key,
+            source=EPISODE_SOURCE_TRAFFIC if source is None else _source(source, principal),
         )
 
     def _check(self, request: ChatCompletionRequest) -> None:
@@ -460,11 +470,12 @@ class ChatService:
             if error
             else None,
             context_hash=ctx.hashes.context_hash,
-            group_key=(request.metadata or {}).get("group_key"),
+            group_key=ctx.group_key,
             user=request.user,
             episode_metadata=dict(request.metadata or {}),
             key_id=ctx.principal.key_id,
             project=ctx.principal.project,
+            source=ctx.source,
             created_at=time.time(),
             stored_response=stored_response,
         )
@@ -474,3 +485,30 @@ class ChatService:
         self.sink.submit(record)
         if self.tracer is not None:  # built on the loop's next turn: the answer does not wait for it
             asyncio.get_running_loop().call_soon(self.tracer.record, record, ctx.trace_parent)
+
+
+def _group_key(value: str | None) -> str | None:
+    """`X-Kaizen-Group-Key`, for clients that set headers more easily than `metadata` (agent frameworks)."""
+    if value is None:
+        return None
+    if not 0 < len(value) <= _MAX_GROUP_KEY or "\x00" in value:
+        raise InvalidRequest(
+            f"X-Kaizen-Group-Key must be 1-{_MAX_GROUP_KEY} characters without NUL",
+            code="invalid_group_key",
+        )
+    return value
+
+
+def _source(value: str, principal: Principal) -> str:
+    """`X-Kaizen-Source`: only an admin key may say its calls are not traffic (a bootstrap run, an import), so
+    an app cannot make its own traffic look like curated data."""
+    if "admin" not in principal.scopes:
+        raise PermissionDenied(
+            "X-Kaizen-Source may only be sent with a key that has the admin scope", code="source_not_allowed"
+        )
+    if not _SOURCE.match(value):
+        raise InvalidRequest(
+            "X-Kaizen-Source must be 1-32 characters: a lower-case letter, then letters, digits, '_', '.' or '-'",
+            code="invalid_source",
+        )
+    return value

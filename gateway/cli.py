@@ -17,7 +17,9 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from gateway.bootstrap_command import add_bootstrap_arguments
 from gateway.dataset_commands import add_export_arguments, add_import_arguments
+from gateway.demo.tasks import TASKS
 from gateway.judge_command import add_judge_arguments
 from gateway.settings import Settings
 
@@ -252,6 +254,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if outcome.status == "succeeded" else NO_CANDIDATE
 
 
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """Cold start: scenarios written for a task, attempted through the gateway, scored and trained on."""
+    from gateway.bootstrap_command import run_bootstrap
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    for chatty in ("httpx", "openai", "LiteLLM"):  # one line per request would bury the progress
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    return run_bootstrap(settings, args)
+
+
 def cmd_policy_switch(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
     from storage.audit import record_audit
@@ -395,6 +408,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         rate=args.rate,
         concurrency=args.concurrency,
         seed=args.seed,
+        task=args.task,
     )
     summary = asyncio.run(run_demo(options))
     sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
@@ -498,6 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(train)
     train.set_defaults(func=cmd_train)
 
+    bootstrap = commands.add_parser(
+        "bootstrap",
+        help="Cold start a policy without traffic: a model writes scenarios for --task, the policy attempts "
+        "each through the gateway (episodes of source `bootstrap`), its scorer scores them, and it trains.",
+    )
+    add_bootstrap_arguments(bootstrap)
+    add_settings_flags(bootstrap)
+    bootstrap.set_defaults(func=cmd_bootstrap)
+
     worker = commands.add_parser(
         "worker", help="Run the policies' scheduled jobs (judge, train, retention) without serving."
     )
@@ -525,6 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=0.5, help="Calls per second the simulated app sends.")
     demo.add_argument("--concurrency", type=int, default=8, help="Most calls the app has in flight at once.")
     demo.add_argument("--seed", type=int, default=0, help="Seeds the question order and training.")
+    demo.add_argument(
+        "--task",
+        choices=sorted(TASKS),
+        default="opposites",
+        help="What the simulated app asks (gateway/demo/tasks.py): `opposites`, which the base model gets "
+        "right now and then, or `past-tense`, where its successes are rare.",
+    )
     add_settings_flags(demo)
     demo.set_defaults(func=cmd_demo)
 

@@ -157,21 +157,24 @@ class CallMetrics:
 
 # Which CaptureStats/snapshot fields are counters (only ever grow) and which are levels.
 _CAPTURE_COUNTERS = {
-    "queued": "Captured calls accepted into the in-memory queue.",
-    "written": "Captured calls inserted into the database straight from the queue.",
-    "spooled": "Captured calls appended to the spool file (database down, or queue full).",
-    "replayed": "Captured calls moved from the spool file into the database.",
-    "recovered": "Captured calls read back from the capture log at start-up (left by a killed process).",
-    "dropped": "Captured calls lost: neither written nor spooled, or rejected by the database as invalid.",
+    "queued": "Captured calls appended to the capture log (or handed to the writer in memory).",
+    "written": "Captured calls the writer stored on its first try.",
+    "spooled": "Captured calls held in the capture log while the database was down.",
+    "replayed": "Held captured calls stored once the database answered again.",
+    "recovered": "Captured calls left in the capture log by an earlier process, stored at start-up.",
+    "dropped": "Captured calls lost: not logged and not handed to a writer, refused by the database as invalid, "
+    "or an unreadable log line.",
     "log_failures": "Captured calls that could not be appended to the capture log.",
     "opted_out": "Calls served with X-Kaizen-No-Log: nothing stored.",
+    "writer_restarts": "Times the capture writer process exited unexpectedly and was started again.",
 }
 _CAPTURE_GAUGES = {
-    "queue_depth": "Captured calls waiting in memory for the writer.",
+    "queue_depth": "Captured calls in the capture log that the writer has not started to store.",
+    "writing": "Captured calls in the batch the writer is storing now.",
     "log_unsettled": "Captured calls in the capture log not yet committed to the database.",
     "log_bytes": "Size of the capture log on disk.",
-    "spool_bytes": "Size of the spool file (calls waiting for the database).",
-    "database_up": "1 while the capture writer reaches the database, 0 while it spools.",
+    "spool_bytes": "Capture log bytes of the calls held for the database.",
+    "database_up": "1 while the capture writer reaches the database, 0 while calls are held in the log.",
 }
 
 

@@ -90,10 +90,11 @@ class GatewayProcess:
                 await asyncio.sleep(0.5)
 
     async def create_policy(self, name: str, config: dict[str, Any] | None = None) -> None:
-        """Create a policy through the admin API (version 0 is the base model)."""
+        """Create a policy through the admin API (version 0 is the base model; building it takes a minute on a
+        busy machine)."""
         body: dict[str, Any] = {"name": name} if config is None else {"name": name, "config": config}
         async with httpx.AsyncClient(
-            timeout=60, headers={"Authorization": f"Bearer {self.admin_key}"}
+            timeout=300, headers={"Authorization": f"Bearer {self.admin_key}"}
         ) as admin:
             created = await admin.post(f"{self.url}/admin/policies", json=body)
         if created.status_code != 201:

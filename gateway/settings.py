@@ -165,14 +165,13 @@ class Settings(BaseSettings):
     )
 
     # --- capture
-    capture_queue_size: int = Field(
-        50_000, ge=1, description="Calls held in memory before new ones spill to the spool file."
-    )
     capture_batch_size: int = Field(
         500, ge=1, description="Largest batch the capture writer inserts at once."
     )
     capture_flush_ms: float = Field(
-        50.0, gt=0, description="Longest a captured call waits before its batch is written."
+        50.0,
+        gt=0,
+        description="Flush window: a batch is written early enough that its oldest call is committed within it.",
     )
     capture_retry_s: float = Field(
         1.0, gt=0, description="Pause between attempts to reach a database that is down."
@@ -184,7 +183,9 @@ class Settings(BaseSettings):
         "loss may be lost (a process kill loses none). 0 never fsyncs.",
     )
     capture_segment_bytes: int = Field(
-        16 * 2**20, ge=4096, description="Size at which the capture log starts a new segment file."
+        16 * 2**20,
+        ge=4096,
+        description="Size at which the capture log starts a new segment file (it also starts one every second).",
     )
     capture_drain_timeout_s: float = Field(
         30.0,
@@ -394,10 +395,6 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.data_dir / 'kaizen.db').resolve()}"
         self.database_url = async_database_url(self.database_url)
         return self
-
-    @property
-    def spool_path(self) -> Path:
-        return self.data_dir / "spool" / "calls.jsonl"
 
     @property
     def capture_log_dir(self) -> Path:

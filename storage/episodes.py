@@ -43,6 +43,8 @@ class Trajectory:
     policy: str | None = None
     group_key: str | None = None
     project: str = DEFAULT_PROJECT
+    #: `traffic`, or the tool that sent or wrote the episode (`bootstrap`, `import`).
+    source: str = EPISODE_SOURCE_TRAFFIC
     context_hash: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tags: list[Any] = field(default_factory=list)
@@ -51,7 +53,6 @@ class Trajectory:
     reward_provenance: dict[str, Any] | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
-    source: str = EPISODE_SOURCE_TRAFFIC
     tools: list[dict[str, Any]] | None = None  # the tools offered with `messages`' last request
 
     def as_dict(self) -> dict[str, Any]:
@@ -148,6 +149,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
             policy=episode.policy,
             group_key=episode.group_key,
             project=episode.project,
+            source=episode.source,
             context_hash=rows[0].context_hash if rows else None,
             metadata=dict(episode.meta or {}),
             tags=list(episode.tags or []),
@@ -156,7 +158,6 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
             reward_provenance=episode.reward_provenance,
             created_at=episode.created_at,
             updated_at=episode.updated_at,
-            source=episode.source,
             tools=tools or None,
         )
     return result

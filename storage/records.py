@@ -1,12 +1,12 @@
-"""Plain records that cross from the gateway into storage (and through the spool file) without ORM objects."""
+"""Plain records that cross from the gateway into storage (through the capture log) without ORM objects."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
-from storage.models import DEFAULT_PROJECT
+from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC
 
 
 class ResponseRecord(msgspec.Struct, kw_only=True):
@@ -55,5 +55,31 @@ class CallRecord(msgspec.Struct, kw_only=True):
     episode_metadata: dict[str, Any] = {}
     key_id: str | None = None  # the API key that sent it
     project: str = DEFAULT_PROJECT  # its key's project: a new episode belongs to it
+    source: str = EPISODE_SOURCE_TRAFFIC  # what sent it (`X-Kaizen-Source`): a new episode records it
     created_at: float
     stored_response: ResponseRecord | None = None  # written to `responses` in the call's transaction
+
+
+# What the capture writer only passes through to JSON columns of `calls`.
+_STORED_AS_JSON = (
+    "request",
+    "response",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "completion_logprobs",
+    "error",
+)
+
+#: A `CallRecord` as the capture writer decodes it from the log: the fields above stay their JSON bytes
+#: (`msgspec.Raw`, `null` included), which `storage.calls` stores as the columns' text. Decoding token ids and
+#: logprobs into Python lists only to encode them again was a third of the writer's work per row. The fields'
+#: static types say dict and list; only `storage.calls` reads them, and it takes either form.
+LoggedCall = cast(
+    type[CallRecord],
+    msgspec.defstruct(
+        "LoggedCall",
+        [(name, msgspec.Raw, None) for name in _STORED_AS_JSON],
+        bases=(CallRecord,),
+        kw_only=True,
+    ),
+)

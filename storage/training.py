@@ -97,6 +97,36 @@ async def rewarded_episodes(
     return out
 
 
+async def unrewarded_episodes(
+    session: AsyncSession, policy: str, *, sources: Sequence[str], since: datetime | None, until: datetime
+) -> list[EpisodeRow]:
+    """Episodes of `policy` from `sources` (`episodes.source`) created in (since, until] that carry no reward
+    at all (no derived reward, no reward row for them or their calls), oldest first; their `reward` is 0."""
+    on_episode = select(Reward.id).where(Reward.episode_id == Episode.id)
+    on_call = select(Reward.id).join(Call, Reward.call_id == Call.id).where(Call.episode_id == Episode.id)
+    stmt = (
+        select(Episode)
+        .where(Episode.policy == policy, Episode.source.in_(list(sources)), Episode.created_at <= until)
+        .where(Episode.reward.is_(None), ~on_episode.exists(), ~on_call.exists())
+        .order_by(Episode.created_at, Episode.id)
+    )
+    if since is not None:
+        stmt = stmt.where(Episode.created_at > since)
+    rows = await session.execute(stmt)
+    return [
+        EpisodeRow(
+            id=episode.id,
+            group_key=episode.group_key,
+            meta=dict(episode.meta or {}),
+            tags=list(episode.tags or []),
+            reward=0.0,
+            reward_count=0,
+            created_at=episode.created_at,
+        )
+        for episode in rows.scalars()
+    ]
+
+
 async def episode_calls(session: AsyncSession, episode_ids: Sequence[str]) -> dict[str, list[CallRow]]:
     """The calls of each episode in position order (chunked so huge selections stay under bind limits)."""
     out: dict[str, list[CallRow]] = defaultdict(list)

@@ -60,12 +60,13 @@ def make_gateway(tmp_path: Path, upstream: ScriptedUpstream) -> Iterator[Callabl
         settings = Settings.load(
             data_dir=tmp_path / f"data{len(started)}",
             database_url=database_url,
-            upstream_token_ids=True,
             port=0,
-            # The scripted upstream as the engine; no background jobs unless a test asks for them; quick capture
-            # unless it asks otherwise. A test may point at its own upstream, or attach a `vllm` engine to it.
+            # The scripted upstream as the engine, asked for token ids; no background jobs unless a test asks for
+            # them; quick capture unless it asks otherwise. A test may point at its own upstream, not ask it for
+            # token ids, or attach a `vllm` engine to it.
             **{
                 "engine": "upstream",
+                "upstream_token_ids": True,
                 "scheduler": False,
                 "capture_flush_ms": 5.0,
                 "capture_retry_s": 0.2,
@@ -91,6 +92,10 @@ def embedded_model() -> Path:
     from gateway.base_models import pull_base_model
 
     return pull_base_model("smollm2-135m-instruct", MODELS_DIR)
+
+
+#: The admin key of the session's vLLM gateway (admin routes: training and judging runs, the gate).
+VLLM_ADMIN_KEY = "vllm-admin"
 
 
 @dataclass
@@ -122,6 +127,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) 
         policy_refresh_s=0.5,
         adapter_idle_unload_s=0.0,
         scheduler=False,
+        admin_key=VLLM_ADMIN_KEY,  # /v1 stays open: no client key is set
     )
     gateway = GatewayServer(settings, startup_timeout_s=900).start()
     yield VLLMServer(gateway, f"http://127.0.0.1:{port}/v1", "smollm2-135m-instruct")

@@ -28,6 +28,8 @@ class TokenizedSample:
     #: Behaviour-policy logprob of each token at sampling time; None where unknown or not assistant.
     behaviour_logprobs: list[float | None]
     advantage: float
+    #: A demonstration to imitate (SFT loss) rather than an attempt to weigh by its advantage (policy loss).
+    demonstration: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -57,6 +59,7 @@ class Batch:
     loss_mask: Tensor  # [B, T] bool
     behaviour_logprobs: Tensor  # [B, T] float32, NaN where unknown
     advantages: Tensor  # [B] float32
+    demonstrations: Tensor  # [B] bool, True for rows trained with the SFT loss
 
     @property
     def num_loss_tokens(self) -> int:
@@ -70,6 +73,7 @@ class Batch:
             loss_mask=self.loss_mask.to(device),
             behaviour_logprobs=self.behaviour_logprobs.to(device),
             advantages=self.advantages.to(device),
+            demonstrations=self.demonstrations.to(device),
         )
 
 
@@ -101,7 +105,8 @@ def collate(samples: Sequence[TokenizedSample], pad_id: int) -> Batch:
     # Behaviour logprobs outside the loss are meaningless to the loss; keep them NaN.
     behaviour = torch.where(loss_mask, behaviour, torch.full_like(behaviour, math.nan))
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention_mask, targets, loss_mask, behaviour, advantages)
+    demonstrations = torch.tensor([s.demonstration for s in samples], dtype=torch.bool)
+    return Batch(input_ids, attention_mask, targets, loss_mask, behaviour, advantages, demonstrations)
 
 
 class _TargetLogprob(torch.autograd.Function):

@@ -4,6 +4,13 @@ Measured on our machine: GRPO on format rewards collapsed within minutes to one 
 to empty replies, or to short nonsense; at lr 1e-3 it collapsed within 5 steps. Rewards can keep
 rising while this happens (a constant reply that satisfies the format scores well), so the
 trainer measures these signals on held-out samples and treats any violated bound as a failed run.
+
+Two kinds of bound. *Health* bounds (distinct share, empty share, repetition) describe replies that are
+broken whatever the task asks: the same reply to different contexts, nothing, a loop. *Movement* bounds
+(length and entropy against the baseline, KL to the version the run started from or to the base model)
+describe how far the policy moved; moving far is what a reward that asks for terse, sure answers should
+cause, so a movement bound is waived when the same replies earned a higher reward than the baseline's and
+pass every health bound (`backed_by_reward`). Without reward evidence every bound applies.
 """
 
 import math
@@ -73,7 +80,7 @@ def repetition(replies: Sequence[str], n: int = REPETITION_NGRAM) -> float:
 
 @dataclass(frozen=True)
 class CollapseSignals:
-    """Signals of one sample set; entropy and KL are present when the trainer computed them."""
+    """Signals of one sample set; entropy, KL and reward are present when the caller computed them."""
 
     count: int
     distinct_share: float
@@ -84,6 +91,10 @@ class CollapseSignals:
     mean_entropy: float | None = None
     #: Mean per-token KL to the base model (adapter disabled), nats.
     kl_to_base: float | None = None
+    #: Mean per-token KL to the version the run started from, nats: how far this run alone moved.
+    kl_to_start: float | None = None
+    #: Mean reward of these replies by the policy's scorer.
+    reward: float | None = None
 
 
 def measure(
@@ -91,8 +102,11 @@ def measure(
     token_entropies: Sequence[float] | None = None,
     kl_to_base: float | None = None,
     contexts: Sequence[object] | None = None,
+    *,
+    kl_to_start: float | None = None,
+    rewards: Sequence[float] | None = None,
 ) -> CollapseSignals:
-    """Compute every signal for one set of sampled replies."""
+    """Compute every signal for one set of sampled replies (`rewards`: the scores of those that were scored)."""
     _require(replies)
     entropy = None
     if token_entropies is not None and len(token_entropies) > 0:
@@ -105,13 +119,17 @@ def measure(
         repetition=repetition(replies),
         mean_entropy=entropy,
         kl_to_base=kl_to_base,
+        kl_to_start=kl_to_start,
+        reward=math.fsum(rewards) / len(rewards) if rewards else None,
     )
 
 
 @dataclass(frozen=True)
 class CollapseBounds:
-    """Limits a candidate adapter's samples must respect; ratios compare against the active version."""
+    """Limits a candidate adapter's samples must respect; ratios compare against the baseline (the version the
+    run started from, or the active version at the gate)."""
 
+    # --- health: always enforced
     #: Distinct share must stay ≥ this fraction of the baseline's: halving diversity on the same
     #: prompts is already the road to one constant reply.
     min_distinct_ratio: float = 0.5
@@ -121,19 +139,27 @@ class CollapseBounds:
     max_empty_share: float = 0.05
     #: Trigram repeat share above one half means replies loop.
     max_repetition: float = 0.5
+
+    # --- movement: waived when the reward backs the move (`backed_by_reward`)
     #: Mean length must stay ≥ this fraction of the baseline's (the 'short nonsense' collapse).
     min_length_ratio: float = 0.3
     #: Entropy must stay ≥ this fraction of the baseline's; near-zero entropy means a deterministic policy.
     min_entropy_ratio: float = 0.2
-    #: Mean per-token KL to the base model, nats. A LoRA that moves further than this per token is
-    #: rewriting the model's language rather than nudging its choices.
-    max_kl_to_base: float = 0.3
+    #: Mean per-token KL to the version the run started from, nats: one run rewriting the model's language
+    #: rather than nudging its choices. Per run, so a policy may travel far from the base in steps that each
+    #: passed the gate.
+    max_kl_to_start: float = 0.5
+    #: Mean per-token KL to the base model, nats; off by default: a cap on the total distance freezes a
+    #: policy that keeps improving (measured: the demo stopped at its fifth version under 0.3).
+    max_kl_to_base: float = math.inf
+    #: How much higher than the baseline's the replies' mean reward must be to waive the movement bounds.
+    min_reward_gain: float = 0.05
 
 
-def check(
+def health_problems(
     signals: CollapseSignals, bounds: CollapseBounds, baseline: CollapseSignals | None = None
 ) -> list[str]:
-    """Return one human-readable line per violated bound; an empty list means no collapse detected."""
+    """Violated health bounds: replies that are the same across contexts, empty, or looping."""
     problems: list[str] = []
     if signals.distinct_share < bounds.min_distinct_share:
         problems.append(
@@ -144,27 +170,65 @@ def check(
         problems.append(f"empty_share {signals.empty_share:.3f} > {bounds.max_empty_share:.3f}")
     if signals.repetition > bounds.max_repetition:
         problems.append(f"repetition {signals.repetition:.3f} > {bounds.max_repetition:.3f}")
+    if baseline is not None:
+        problems += _below(
+            "distinct_share",
+            signals.distinct_share,
+            bounds.min_distinct_ratio,
+            baseline.distinct_share,
+            "",
+            3,
+        )
+    return problems
+
+
+def movement_problems(
+    signals: CollapseSignals, bounds: CollapseBounds, baseline: CollapseSignals | None = None
+) -> list[str]:
+    """Violated movement bounds: the policy became much shorter or surer, or moved far in KL."""
+    problems: list[str] = []
+    if signals.kl_to_start is not None and signals.kl_to_start > bounds.max_kl_to_start:
+        problems.append(f"kl_to_start {signals.kl_to_start:.4f} > {bounds.max_kl_to_start:.4f} nats/token")
     if signals.kl_to_base is not None and signals.kl_to_base > bounds.max_kl_to_base:
         problems.append(f"kl_to_base {signals.kl_to_base:.4f} > {bounds.max_kl_to_base:.4f} nats/token")
     if baseline is None:
         return problems
-    limit = bounds.min_distinct_ratio * baseline.distinct_share
-    if signals.distinct_share < limit:
-        problems.append(
-            f"distinct_share {signals.distinct_share:.3f} < {limit:.3f} "
-            f"({bounds.min_distinct_ratio} × baseline {baseline.distinct_share:.3f})"
-        )
-    limit = bounds.min_length_ratio * baseline.mean_length
-    if signals.mean_length < limit:
-        problems.append(
-            f"mean_length {signals.mean_length:.1f} < {limit:.1f} chars "
-            f"({bounds.min_length_ratio} × baseline {baseline.mean_length:.1f})"
-        )
+    problems += _below(
+        "mean_length", signals.mean_length, bounds.min_length_ratio, baseline.mean_length, " chars", 1
+    )
     if signals.mean_entropy is not None and baseline.mean_entropy is not None:
-        limit = bounds.min_entropy_ratio * baseline.mean_entropy
-        if signals.mean_entropy < limit:
-            problems.append(
-                f"mean_entropy {signals.mean_entropy:.3f} < {limit:.3f} nats "
-                f"({bounds.min_entropy_ratio} × baseline {baseline.mean_entropy:.3f})"
-            )
+        problems += _below(
+            "mean_entropy", signals.mean_entropy, bounds.min_entropy_ratio, baseline.mean_entropy, " nats", 3
+        )
     return problems
+
+
+def _below(name: str, value: float, ratio: float, baseline: float, unit: str, digits: int) -> list[str]:
+    """The problem line when `value` fell below `ratio` times the baseline's, else nothing."""
+    limit = ratio * baseline
+    if value >= limit:
+        return []
+    return [
+        f"{name} {value:.{digits}f} < {limit:.{digits}f}{unit} ({ratio} × baseline {baseline:.{digits}f})"
+    ]
+
+
+def backed_by_reward(
+    signals: CollapseSignals, bounds: CollapseBounds, baseline: CollapseSignals | None
+) -> bool:
+    """The replies earned at least `min_reward_gain` more than the baseline's and are healthy: the reward asked
+    for the move. A reward that rises on empty, constant or looping replies is being gamed, not backing."""
+    if baseline is None or signals.reward is None or baseline.reward is None:
+        return False
+    if health_problems(signals, bounds, baseline):
+        return False
+    return signals.reward >= baseline.reward + bounds.min_reward_gain
+
+
+def check(
+    signals: CollapseSignals, bounds: CollapseBounds, baseline: CollapseSignals | None = None
+) -> list[str]:
+    """Return one human-readable line per violated bound; an empty list means no collapse detected."""
+    if backed_by_reward(signals, bounds, baseline):
+        return []
+    return health_problems(signals, bounds, baseline) + movement_problems(signals, bounds, baseline)

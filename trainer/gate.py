@@ -3,7 +3,9 @@
 Both versions answer the same held-out contexts through the serving engine (``policy@N`` and ``policy@M`` on
 the gateway's OpenAI-compatible URL, with ``X-Kaizen-No-Log`` so nothing is captured), the policy's scorer
 (reward function, webhook or RULER) scores each context's replies of both versions as one group, and the
-collapse signals of the candidate's replies must stay within `CollapseBounds` of the active version's.
+collapse signals of the candidate's replies must stay within `CollapseBounds` of the active version's. Movement
+bounds (length, entropy) are waived for a candidate whose healthy replies earned more than the active version's
+on the same contexts (`trainer.collapse.backed_by_reward`): terse because terse is right is not collapse.
 
 Held-out contexts come from rewarded episodes the run did not train on: episodes outside the run's data
 window, and episodes whose group hashes into the held-out fraction (`is_held_out`), which training should
@@ -27,7 +29,14 @@ from storage.database import Database
 from storage.episodes import Trajectory
 from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
-from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
+from trainer.collapse import (
+    CollapseBounds,
+    CollapseSignals,
+    backed_by_reward,
+    check,
+    measure,
+    movement_problems,
+)
 from trainer.gateway_requests import gateway_headers, post_completion
 from trainer.policy_config import GateConfig
 from trainer.scoring import Scorer
@@ -63,6 +72,8 @@ class GateResult:
     candidate_signals: dict[str, Any] | None = None
     active_signals: dict[str, Any] | None = None
     collapse_problems: list[str] = field(default_factory=list)
+    #: Movement bounds the candidate crossed with the reward's backing (not reasons to reject).
+    waived: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
@@ -235,10 +246,13 @@ async def evaluate(
         result.wall_s = time.perf_counter() - started
         return result
     result.candidate_reward, result.active_reward = _mean(rewards[candidate]), _mean(rewards[active])
-    candidate_signals = measure(texts[candidate], contexts=asked[candidate])
-    active_signals = measure(texts[active], contexts=asked[active])
+    candidate_signals = measure(texts[candidate], contexts=asked[candidate], rewards=rewards[candidate])
+    active_signals = measure(texts[active], contexts=asked[active], rewards=rewards[active])
     result.candidate_signals, result.active_signals = asdict(candidate_signals), asdict(active_signals)
-    result.collapse_problems = collapse_problems(candidate_signals, active_signals, config.bounds())
+    bounds = config.bounds()
+    result.collapse_problems = collapse_problems(candidate_signals, active_signals, bounds)
+    if backed_by_reward(candidate_signals, bounds, active_signals):
+        result.waived = movement_problems(candidate_signals, bounds, active_signals)
     if result.candidate_reward < result.active_reward - config.tolerance:
         result.reasons.append(
             f"mean reward {result.candidate_reward:.4f} < active {result.active_reward:.4f} "

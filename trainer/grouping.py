@@ -16,6 +16,7 @@ Groups whose rewards do not vary are skipped and counted: their advantages are a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import defaultdict
@@ -113,36 +114,101 @@ def group_by_column(
     return groups
 
 
+@dataclass(frozen=True)
+class Pool:
+    """What one context's group holds so far, as `allocate` sees it."""
+
+    #: Captured attempts plus replies drawn so far (an unscored reply counts: it is not drawn again).
+    members: int
+    has_signal: bool
+
+
+def allocate(pools: Sequence[Pool], budget: int, group_size: int, max_group_size: int) -> list[int]:
+    """How many new replies each context gets in the next resampling round, `budget` in all.
+
+    A context with fewer than `group_size` replies is topped up to it, so every group has a usable baseline.
+    After that only a context whose rewards do not vary yet gets more, `group_size` at a time up to
+    `max_group_size`: a group where every reply failed (or every one succeeded) teaches nothing, and a single
+    success (failure) among more replies makes it count. The budget goes to the contexts with the fewest
+    replies first (ties in the given order), so it is spread over many contexts rather than spent on a few.
+    """
+    wants = []
+    for pool in pools:
+        if pool.members < group_size:
+            wants.append(group_size - pool.members)
+        elif not pool.has_signal and pool.members < max_group_size:
+            wants.append(min(group_size, max_group_size - pool.members))
+        else:
+            wants.append(0)
+    grants = [0] * len(pools)
+    left = max(budget, 0)
+    for index in sorted(range(len(pools)), key=lambda i: pools[i].members):
+        if left == 0:
+            break
+        grants[index] = min(wants[index], left)
+        left -= grants[index]
+    return grants
+
+
+def _context_key(trajectory: TrainingExample) -> str:
+    return json.dumps([trajectory.context, trajectory.tools], sort_keys=True, default=str)
+
+
+def _by_context(trajectories: Sequence[TrainingExample]) -> list[list[TrainingExample]]:
+    """Captured attempts at the identical context (everything before the final assistant turn) share a group,
+    first-seen order; each is an on-policy sample the engine does not have to draw again."""
+    pools: dict[str, list[TrainingExample]] = {}
+    for trajectory in trajectories:
+        pools.setdefault(_context_key(trajectory), []).append(trajectory)
+    return list(pools.values())
+
+
+def _surprise(members: Sequence[TrainingExample], mean: float) -> float:
+    return max(abs(m.reward - mean) for m in members)
+
+
 async def resample_groups(
     trajectories: Sequence[TrainingExample],
     cfg: TrainConfig,
     sampler: Sampler,
     scorer: ReplyScorer,
     report: DataReport,
-) -> list[Group]:
-    """`resample` grouping: each trajectory plus k-1 fresh replies to its context, scored by `scorer`.
+) -> tuple[list[Group], dict[str, Any]]:
+    """`resample` grouping: captured attempts at each context plus fresh replies from the active version,
+    scored by `scorer`, in rounds planned by `allocate` within `resample_budget` replies.
 
-    Up to `resample_concurrency` trajectories are sampled and scored at once (the engine batches them, and a
-    judge or webhook answers in parallel); the groups come back in the order of `trajectories`.
+    Where successes are rare most groups of `group_size` have no reward variance and teach nothing; later
+    rounds spend the rest of the budget on exactly those. Contexts whose captured reward differs most from the
+    window's mean (a rare success, a rare failure) come first when the budget cannot cover every context.
+    Up to `resample_concurrency` contexts are sampled and scored at once (the engine batches them, and a judge
+    or webhook answers in parallel). Returns the groups in first-seen order and what the rounds cost and found.
     """
     limit = asyncio.Semaphore(max(1, min(cfg.resample_concurrency, sampler.max_concurrency)))
     started = time.monotonic()
-    done = 0
+    pools = _by_context(trajectories)
+    report.add("contexts_merged", len(trajectories) - len(pools))
+    mean = sum(t.reward for t in trajectories) / len(trajectories) if trajectories else 0.0
+    order = sorted(range(len(pools)), key=lambda i: -_surprise(pools[i], mean))
+    budget = cfg.resample_budget
+    signal_by_round: list[int] = []
 
-    async def resample(trajectory: TrainingExample) -> Group | None:
-        nonlocal done
+    tried = [len(members) for members in pools]
+
+    async def resample(index: int, n: int) -> None:
+        members = pools[index]
+        first = members[0]
+        tried[index] += n
         async with limit:
-            samples = await sampler.sample(trajectory.context, trajectory.tools, cfg.group_size - 1)
-            scores = await scorer.score(trajectory.context, [s.text for s in samples], trajectory.reply)
+            samples = await sampler.sample(first.context, first.tools, n)
+            scores = await scorer.score(first.context, [s.text for s in samples], first.reply)
         report.add("resampled_replies", len(samples))
-        members = [trajectory]
         for sample, score in zip(samples, scores, strict=True):
             if score is None:
                 report.add("resampled_unscored")
                 continue
             members.append(
                 replace(
-                    trajectory,
+                    first,
                     reply={"role": "assistant", "content": sample.text},
                     reward=float(score),
                     prompt_token_ids=sample.prompt_token_ids,
@@ -151,22 +217,45 @@ async def resample_groups(
                     origin="resampled",
                 )
             )
-        done += 1
-        if done % 8 == 0 and done < len(trajectories):
-            logger.info(
-                "resampled %d/%d groups (%.0f s)", done, len(trajectories), time.monotonic() - started
-            )
-        return _finalise(trajectory.episode_id, members, cfg, report)
 
-    # A task group: one failure (engine gone) cancels the rest instead of leaving them running; the first
-    # failure is raised as itself, not wrapped in an ExceptionGroup.
-    try:
-        async with asyncio.TaskGroup() as tasks:
-            pending = [tasks.create_task(resample(t)) for t in trajectories]
-    except ExceptionGroup as failures:
-        raise failures.exceptions[0] from None
-    logger.info("resampled %d groups in %.0f s", len(trajectories), time.monotonic() - started)
-    return [group for task in pending if (group := task.result()) is not None]
+    while True:
+        state = [Pool(tried[i], has_signal([m.reward for m in pools[i]])) for i in order]
+        grants = allocate(state, budget, cfg.group_size, cfg.resample_max_group_size)
+        if not any(grants):
+            break
+        budget -= sum(grants)
+        # A task group: one failure (engine gone) cancels the rest instead of leaving them running; the first
+        # failure is raised as itself, not wrapped in an ExceptionGroup.
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for index, n in zip(order, grants, strict=True):
+                    if n:
+                        tasks.create_task(resample(index, n))
+        except ExceptionGroup as failures:
+            raise failures.exceptions[0] from None
+        signal_by_round.append(sum(1 for p in pools if has_signal([m.reward for m in p])))
+        logger.info(
+            "resampling round %d: %d replies to %d contexts, %d of %d groups have reward variance (%.0f s)",
+            len(signal_by_round),
+            sum(grants),
+            sum(1 for n in grants if n),
+            signal_by_round[-1],
+            len(pools),
+            time.monotonic() - started,
+        )
+    groups = [group for members in pools if (group := _finalise(members[0].episode_id, members, cfg, report))]
+    spent = cfg.resample_budget - budget
+    stats = {
+        "contexts": len(pools),
+        "groups_with_signal": len(groups),
+        "replies": spent,
+        "budget": cfg.resample_budget,
+        "rounds": len(signal_by_round),
+        "groups_with_signal_by_round": signal_by_round,
+        "replies_per_group_with_signal": round(spent / len(groups), 1) if groups else None,
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    return groups, stats
 
 
 def group_stats(groups: Sequence[Group]) -> dict[str, float]:

@@ -1,5 +1,7 @@
 """The GRPO update: micro-batched forward/backward of ``trainer.loss.policy_loss`` with gradient accumulation,
-progress logging, and collapse checks that stop the run early.
+progress logging, and collapse checks that stop the run early. Demonstration samples (``demonstration=True``)
+are trained with ``trainer.loss.sft_loss`` in the same loop, alone (an SFT run or phase) or mixed into GRPO
+steps.
 
 π_old of a sample is the policy when the sample is first visited: in the first epoch the ratio is exactly 1
 (one step per batch, as in GRPO with one iteration); later epochs reuse the first pass's logprobs, so the PPO/CISPO
@@ -20,8 +22,15 @@ import torch
 from torch import Tensor
 
 from trainer.batch import Batch, TokenizedSample, collate, token_entropy, token_logprobs
-from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.loss import policy_loss
+from trainer.collapse import (
+    CollapseBounds,
+    CollapseSignals,
+    backed_by_reward,
+    check,
+    measure,
+    movement_problems,
+)
+from trainer.loss import policy_loss, sft_loss
 from trainer.model import LocalSampler, autocast
 from trainer.policy_config import TrainConfig
 
@@ -94,8 +103,12 @@ def run_update(
     device: torch.device,
     collapse_check: CollapseCheck | None = None,
     stop: threading.Event | None = None,
+    sft_weight: float = 1.0,
 ) -> UpdateResult:
-    """Optimise the adapter on `samples`; stops early when `collapse_check` reports violated bounds."""
+    """Optimise the adapter on `samples`; stops early when `collapse_check` reports violated bounds.
+
+    Demonstration samples carry the SFT loss times `sft_weight`; the others the policy loss. Both share one
+    token-level mean per optimizer step."""
     if not samples:
         raise ValueError("no samples to train on")
     torch.manual_seed(cfg.seed)
@@ -107,6 +120,8 @@ def run_update(
     old: dict[int, Tensor] = {}
     sums: dict[str, float] = {}
     loss_tokens = 0
+    sft_tokens = 0
+    sft_nll = 0.0
     seen_tokens = 0
     started = time.perf_counter()
     total_steps = math.ceil(len(samples) / (cfg.micro_batch_size * cfg.grad_accumulation)) * cfg.epochs
@@ -134,12 +149,14 @@ def run_update(
                 if cfg.kl_coef > 0:
                     with torch.no_grad(), model.disable_adapter():
                         ref = _forward_logprobs(model, batch, device, start)
+                mask = batch.loss_mask[:, start:]
+                imitate = batch.demonstrations.unsqueeze(-1)
                 out = policy_loss(
                     logprobs,
                     old_lp,
                     batch.behaviour_logprobs[:, start:],
                     batch.advantages,
-                    batch.loss_mask[:, start:],
+                    mask & ~imitate,
                     mode=cfg.loss_mode,
                     clip_low=cfg.clip_low,
                     clip_high=cfg.clip_high,
@@ -148,11 +165,17 @@ def run_update(
                     kl_coef=cfg.kl_coef,
                     normaliser=normaliser,
                 )
-                out.loss.backward()  # type: ignore[no-untyped-call]
+                loss = out.loss
+                if bool(batch.demonstrations.any()):
+                    sft = sft_loss(logprobs, mask & imitate, weight=sft_weight, normaliser=normaliser)
+                    loss = loss + sft.loss
+                    sft_tokens += sft.num_tokens
+                    sft_nll += float(sft.mean_nll) * sft.num_tokens
+                loss.backward()  # type: ignore[no-untyped-call]
                 n = out.num_tokens
                 loss_tokens += n
                 seen_tokens += int(batch.attention_mask.sum())
-                for name, value in out.metrics().items():
+                for name, value in out.metrics().items() if n else ():
                     if name == "loss":
                         sums["loss"] = sums.get("loss", 0.0) + value * normaliser
                         step_loss += value  # each micro-batch's loss is already over the step's tokens
@@ -165,10 +188,11 @@ def run_update(
             result.history.append({"step": result.steps, "loss": step_loss, "grad_norm": float(grad_norm)})
             elapsed = time.perf_counter() - started
             logger.info(
-                "step %d/%d  loss %.4f  grad_norm %.3f  tokens/s %.0f",
+                "step %d/%d %s%s  grad_norm %.3f  tokens/s %.0f",
                 result.steps,
                 total_steps,
-                sums.get("loss", 0.0) / max(loss_tokens, 1),
+                f" loss {sums.get('loss', 0.0) / loss_tokens:.4f}" if loss_tokens else "",
+                f"  sft_nll {sft_nll / sft_tokens:.4f}" if sft_tokens else "",
                 float(grad_norm),
                 seen_tokens / max(elapsed, 1e-9),
             )
@@ -195,6 +219,8 @@ def run_update(
         "tokens_per_s": seen_tokens / max(elapsed, 1e-9),
         **{name: value / max(loss_tokens, 1) for name, value in sums.items()},
     }
+    if sft_tokens:
+        result.metrics.update(sft_tokens=float(sft_tokens), sft_nll=sft_nll / sft_tokens)
     return result
 
 
@@ -206,11 +232,17 @@ def _stack_old(old: dict[int, Tensor], indices: list[int], shape: torch.Size) ->
     return out
 
 
+#: Scores replies to the monitor's i-th context with the policy's scorer; None where a reply went unscored.
+ScoreReplies = Callable[[int, list[str]], list[float | None]]
+
+
 class CollapseMonitor:
     """Samples fresh replies from the adapter under training and compares their signals with the baseline's.
 
-    KL to the base model is estimated on the sampled reply tokens as mean(log πθ - log π_base), with the adapter
-    disabled for the base pass; entropy is the policy's mean next-token entropy on those tokens.
+    KL is estimated on the sampled reply tokens as mean(log πθ - log π_ref): to the base model with the adapter
+    disabled, and to the version the run started from with its LoRA weights swapped back in for one pass;
+    entropy is the policy's mean next-token entropy on those tokens. With `score`, the replies are also scored
+    by the policy's scorer, the reward evidence that lets a policy move far where the reward asks it to.
     """
 
     def __init__(
@@ -221,6 +253,7 @@ class CollapseMonitor:
         cfg: TrainConfig,
         device: torch.device,
         bounds: CollapseBounds,
+        score: ScoreReplies | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -228,18 +261,40 @@ class CollapseMonitor:
         self.cfg = cfg
         self.device = device
         self.bounds = bounds
+        self.score = score
         self.sampler = LocalSampler(model, tokenizer, device, max_new_tokens=cfg.collapse_max_new_tokens)
         self.baseline: CollapseSignals | None = None
         self.history: list[dict[str, Any]] = []
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        self._start: list[Tensor] | None = None
+
+    def _logprobs_at_start(self, batches: list[Batch]) -> list[Tensor]:
+        """Logprobs under the weights the run started from: swapped in for one pass, then restored exactly."""
+        assert self._start is not None
+        current = [p.detach().clone() for p in self._trainable]
+        with torch.no_grad():
+            for param, start in zip(self._trainable, self._start, strict=True):
+                param.copy_(start)
+            try:
+                return [_forward_logprobs(self.model, batch, self.device) for batch in batches]
+            finally:
+                for param, value in zip(self._trainable, current, strict=True):
+                    param.copy_(value)
 
     def measure(self) -> CollapseSignals:
         replies: list[str] = []
         asked: list[int] = []  # the context each reply answers
+        rewards: list[float] = []
         entropies: list[float] = []
-        kl_sum, kl_count = 0.0, 0
+        batches: list[Batch] = []
+        policy_lps: list[Tensor] = []
+        base_kl, start_kl, count = 0.0, 0.0, 0
         for index, samples in enumerate(self.sampler.sample_many(self.contexts, self.cfg.collapse_samples)):
-            replies.extend(s.text for s in samples)
+            texts = [s.text for s in samples]
+            replies.extend(texts)
             asked.extend([index] * len(samples))
+            if self.score is not None and texts:
+                rewards.extend(r for r in self.score(index, texts) if r is not None)
             rows = [
                 TokenizedSample(
                     s.prompt_token_ids + s.token_ids,
@@ -269,28 +324,57 @@ class CollapseMonitor:
                 self.model.train(was_training)
             mask = batch.loss_mask
             entropies.extend(float(v) for v in entropy[mask])
-            kl_sum += float((policy_lp - base_lp)[mask].sum())
-            kl_count += int(mask.sum())
-        return measure(replies, entropies, kl_sum / kl_count if kl_count else None, contexts=asked)
+            base_kl += float((policy_lp - base_lp)[mask].sum())
+            count += int(mask.sum())
+            batches.append(batch)
+            policy_lps.append(policy_lp)
+        if self._start is not None and batches:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                start_lps = self._logprobs_at_start(batches)
+            finally:
+                self.model.train(was_training)
+            for batch, policy_lp, start_lp in zip(batches, policy_lps, start_lps, strict=True):
+                start_kl += float((policy_lp - start_lp)[batch.loss_mask].sum())
+        return measure(
+            replies,
+            entropies,
+            base_kl / count if count else None,
+            contexts=asked,
+            kl_to_start=(start_kl / count if count else None) if self._start is not None else 0.0,
+            rewards=rewards,
+        )
 
     def start(self) -> CollapseSignals:
         """Measure the active adapter before any update: the baseline ratios are taken against."""
         self.baseline = self.measure()
+        self._start = [p.detach().clone() for p in self._trainable]
         self.history.append({"step": 0, **self.baseline.__dict__})
         return self.baseline
 
     def __call__(self, step: int) -> list[str]:
         signals = self.measure()
-        self.history.append({"step": step, **signals.__dict__})
         problems = check(signals, self.bounds, self.baseline)
+        waived = (
+            movement_problems(signals, self.bounds, self.baseline)
+            if backed_by_reward(signals, self.bounds, self.baseline)
+            else []
+        )
+        self.history.append({"step": step, **signals.__dict__, "waived": waived})
         logger.info(
-            "collapse check at step %d: distinct %.2f empty %.2f length %.0f entropy %s kl %s%s",
+            "collapse check at step %d: distinct %.2f empty %.2f length %.0f entropy %s kl_base %s kl_start %s "
+            "reward %s (baseline %s)%s%s",
             step,
             signals.distinct_share,
             signals.empty_share,
             signals.mean_length,
             _fmt(signals.mean_entropy),
             _fmt(signals.kl_to_base),
+            _fmt(signals.kl_to_start),
+            _fmt(signals.reward),
+            _fmt(self.baseline.reward if self.baseline else None),
+            f"  WAIVED (the reward rose): {waived}" if waived else "",
             f"  VIOLATED: {problems}" if problems else "",
         )
         return problems

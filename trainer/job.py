@@ -1,4 +1,5 @@
-"""One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO ▶ adapter N+1.
+"""One training run of a policy, end to end: lock ▶ select ▶ group ▶ tokenise ▶ GRPO (or SFT, `trainer.sft`)
+▶ adapter N+1.
 
 This is what ``kaizen train`` runs, in its own process. The policy's job lock (``storage.locks``) keeps it apart
 from every other job of the policy across processes and machines; a heartbeat renews it, and a crashed run's lock
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
 from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
@@ -29,6 +30,9 @@ from trainer.gate import is_held_out
 from trainer.grouping import Group, ReplyScorer, Sampler, group_by_column, group_stats, resample_groups
 from trainer.policy_config import PolicyConfig, load_policy_config
 from trainer.tracking import Tracker, open_tracker
+
+if TYPE_CHECKING:
+    from trainer.grpo import ScoreReplies
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +93,29 @@ async def _load_trajectories(
     return trajectories, since, until
 
 
+def _check_scorer(
+    scorer: ReplyScorer | None,
+    originals: list[tuple[list[dict[str, Any]], dict[str, Any]]],
+    loop: asyncio.AbstractEventLoop,
+) -> ScoreReplies | None:
+    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th checked context (given
+    with a captured reply to it, which a relative judge needs), called from the update's worker thread on the
+    run's event loop. A scorer that fails leaves the replies unscored."""
+    if scorer is None:
+        return None
+
+    def score(index: int, replies: list[str]) -> list[float | None]:
+        context, original = originals[index]
+        future = asyncio.run_coroutine_threadsafe(scorer.score(context, replies, original), loop)
+        try:
+            return future.result()
+        except Exception as exc:
+            logger.warning("scoring the collapse check's replies failed: %r", exc)
+            return [None] * len(replies)
+
+    return score
+
+
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     """Train the policy once; raises `TrainingBusy` if another job holds the policy's lock."""
     async with db.session() as session:
@@ -97,7 +124,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
         raise ValueError(f"unknown policy {request.policy!r}")
     config = load_policy_config(policy.config, train_overrides=request.overrides)
     cfg = config.train
-    if cfg.grouping == "resample" and request.scorer is None:
+    if cfg.grouping == "resample" and cfg.mode != "sft" and request.scorer is None:
         raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
     # The scheduler's training child runs under the lock of the job that started it.
     inherited = os.environ.get(OWNER_ENV)
@@ -114,7 +141,13 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
         async with db.session() as session:
             run_id = await start_run(session, policy.id, policy.active_version, cfg.model_dump(mode="json"))
             await session.commit()
-        logger.info("training run %d of policy %s started (grouping %s)", run_id, policy.name, cfg.grouping)
+        logger.info(
+            "training run %d of policy %s started (mode %s, grouping %s)",
+            run_id,
+            policy.name,
+            cfg.mode,
+            cfg.grouping,
+        )
         tracker = Tracker()
         async with heartbeat(db, policy.name, owner, cfg.lock_ttl_s, on_lost=stop.set):
             try:
@@ -156,8 +189,9 @@ async def _train(
 ) -> TrainOutcome:
     import torch
 
-    from trainer.grpo import CollapseMonitor, run_update
+    from trainer.grpo import CollapseMonitor
     from trainer.model import LocalSampler, load_policy, pick_device, save_adapter
+    from trainer.sft import demonstrations, load_vouched, plan_phases, run_phases
     from trainer.tokens import tokenize
 
     cfg = config.train
@@ -181,7 +215,10 @@ async def _train(
             )
             await session.commit()
 
-    if not trajectories:
+    vouched = []
+    if cfg.mode != "grpo":
+        vouched = await load_vouched(db, policy.name, cfg, since, until, report)
+    if not trajectories and not vouched:
         empty = {"data": report.as_dict(), "wall_s": time.perf_counter() - started}
         await finish("skipped", empty, error="no rewarded trajectories in the window")
         return TrainOutcome(run_id, "skipped", None, None, empty, "no rewarded trajectories in the window")
@@ -196,8 +233,10 @@ async def _train(
         load_policy, request.base_model_path, adapter_path, cfg, device
     )
 
-    groups: list[Group]
-    if cfg.grouping == "resample":
+    groups: list[Group] = []
+    if cfg.mode == "sft":
+        pass  # demonstrations only: no groups to form or resample
+    elif cfg.grouping == "resample":
         assert request.scorer is not None
         sampler: Sampler
         if request.sampler is not None:
@@ -215,40 +254,47 @@ async def _train(
             sampler = LocalSampler(
                 model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
             )
-        groups = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
+        groups, resampling = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
     else:
-        groups = group_by_column(trajectories, cfg, report)
+        groups, resampling = group_by_column(trajectories, cfg, report), None
     samples = []
     for group in groups:
         for member, advantage in zip(group.members, group.advantages, strict=True):
             sample = tokenize(member, advantage, tokenizer, cfg, report)
             if sample is not None:
                 samples.append(sample)
-    metrics: dict[str, Any] = {**group_stats(groups), "samples": len(samples)}
-    if not samples:
+    demos, demonstrated = demonstrations(cfg, [*trajectories, *vouched], groups, tokenizer, report)
+    metrics: dict[str, Any] = {
+        **group_stats(groups),
+        "samples": len(samples),
+        "mode": cfg.mode,
+        "demonstrations": len(demos),
+    }
+    if resampling is not None:
+        metrics["resample"] = resampling
+    phases = plan_phases(cfg, samples, demos)
+    if not phases:
+        reason = {
+            "grpo": "no group with reward variance",
+            "sft": f"no demonstrations (no reply reached sft_min_reward {cfg.sft_min_reward})",
+        }.get(cfg.mode, "no group with reward variance and no demonstrations")
         metrics.update(data=report.as_dict(), wall_s=time.perf_counter() - started)
-        await finish("skipped", metrics, error="no group with reward variance")
-        return TrainOutcome(run_id, "skipped", None, None, metrics, "no group with reward variance")
+        await finish("skipped", metrics, error=reason)
+        return TrainOutcome(run_id, "skipped", None, None, metrics, reason)
 
     contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds())
+    originals = [(g.members[0].context, g.members[0].reply) for g in groups]
+    if not contexts:  # an SFT-only run: the collapse checks sample the demonstrations' contexts
+        contexts = [(e.context, e.tools) for e in demonstrated]
+        originals = [(e.context, e.reply) for e in demonstrated]
+    score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score)
 
     def update() -> Any:
         monitor.start()
-        result = run_update(
-            model,
-            samples,
-            cfg,
-            pad_id=int(tokenizer.pad_token_id),
-            device=device,
-            collapse_check=monitor,
-            stop=stop,
+        return run_phases(
+            model, phases, monitor, pad_id=int(tokenizer.pad_token_id), device=device, stop=stop
         )
-        if not result.stopped_early:
-            problems = monitor(result.steps)
-            if problems:
-                result.stopped_early, result.problems = True, problems
-        return result
 
     result = await asyncio.to_thread(update)
     metrics.update(result.metrics)
@@ -259,8 +305,11 @@ async def _train(
         stopped_early=result.stopped_early,
         wall_s=time.perf_counter() - started,
     )
-    if "mean_kl" not in metrics and monitor.history and monitor.history[-1].get("kl_to_base") is not None:
-        metrics["kl_to_base"] = monitor.history[-1]["kl_to_base"]
+    last = monitor.history[-1] if monitor.history else {}
+    if "mean_kl" not in metrics and last.get("kl_to_base") is not None:
+        metrics["kl_to_base"] = last["kl_to_base"]
+    if last.get("kl_to_start") is not None:
+        metrics["kl_to_start"] = last["kl_to_start"]
     if result.stopped_early:
         error = "collapse guard stopped the run: " + "; ".join(result.problems)
         await finish("failed", metrics, error=error)
@@ -286,13 +335,14 @@ async def _train(
         )
         await session.commit()
     logger.info(
-        "run %d wrote %s@%d to %s (%d groups, %d samples, %.0f tokens/s, %.1f s)",
+        "run %d wrote %s@%d to %s (%d groups, %d samples, %d demonstrations, %.0f tokens/s, %.1f s)",
         run_id,
         policy.name,
         version,
         target,
         metrics["groups"],
         len(samples),
+        len(demos),
         metrics["tokens_per_s"],
         metrics["wall_s"],
     )

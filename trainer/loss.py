@@ -1,4 +1,5 @@
-"""The GRPO policy loss for off-policy production data, as one pure function.
+"""The training losses as pure functions: the GRPO policy loss for off-policy production data, and the SFT
+loss (`sft_loss`) that imitates demonstrations.
 
 Notation (per assistant token t of trajectory b):
 
@@ -165,3 +166,41 @@ def policy_loss(
             mean_kl=None if kl is None else masked_mean(kl),
             num_tokens=count,
         )
+
+
+@dataclass(frozen=True)
+class SFTLossOutput:
+    """The scalar loss to back-propagate, plus the detached mean NLL per masked token."""
+
+    loss: Tensor
+    #: Mean negative log-likelihood (nats) per loss token; exp() of it is the demonstrations' perplexity.
+    mean_nll: Tensor
+    num_tokens: int
+
+
+def sft_loss(
+    logprobs: Tensor, mask: Tensor, *, weight: float = 1.0, normaliser: float | None = None
+) -> SFTLossOutput:
+    """Supervised fine-tuning loss: token-level negative log-likelihood of demonstration tokens.
+
+    Shapes: ``logprobs`` and ``mask`` are [B, T] (``mask`` is True on the assistant tokens to imitate).
+    Per token ``-weight · logπθ``, summed over masked tokens and divided by their count, or by
+    ``normaliser`` when a step is split into micro-batches (as in ``policy_loss``, so that demonstrations
+    and policy-gradient tokens of one step share one token-level mean). ``weight`` scales the term where it
+    is mixed into a GRPO step; the reported ``mean_nll`` does not include it.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got {tuple(logprobs.shape)}")
+    if mask.shape != logprobs.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(logprobs.shape)}")
+    if not weight >= 0.0:
+        raise ValueError(f"weight must be non-negative, got {weight!r}")
+    mask = mask.bool()
+    nll = -logprobs.float()
+    count = int(mask.sum())
+    denominator = float(normaliser) if normaliser is not None else float(max(count, 1))
+    # where(): padding positions may hold anything (even -inf logprobs); they must not reach the sum.
+    total = torch.where(mask, nll, torch.zeros_like(nll)).sum()
+    with torch.no_grad():
+        mean_nll = total.detach() / max(count, 1)
+    return SFTLossOutput(loss=weight * total / denominator, mean_nll=mean_nll, num_tokens=count)

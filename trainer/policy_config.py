@@ -1,7 +1,7 @@
 """A policy's configuration: one typed `PolicyConfig`, stored as the JSON object `policies.config`.
 
-Sections: `rewards` (how feedback becomes a reward, how unrewarded trajectories are scored), `train` (one GRPO
-run), `schedule` (when jobs run), `gate` (how a candidate is evaluated) and `privacy` (what is redacted before a
+Sections: `rewards` (how feedback becomes a reward, how unrewarded trajectories are scored), `train` (one training
+run: GRPO, SFT or both), `schedule` (when jobs run), `gate` (how a candidate is evaluated) and `privacy` (what is redacted before a
 call is stored). Every key has a default, so `{}` is a
 complete configuration; unknown keys and wrong values are refused, all of them at once, by `load_policy_config`
 raising `InvalidPolicyConfig`.
@@ -175,6 +175,8 @@ class RewardConfig(_Section):
 # --- train
 
 Grouping = Literal["resample", "key", "prompt"]
+#: What a run optimises: see `TrainConfig.mode` and trainer/sft.py.
+TrainMode = Literal["grpo", "sft", "warm_start", "mixed"]
 
 
 class TrainConfig(_Section):
@@ -187,7 +189,9 @@ class TrainConfig(_Section):
     )
     group_size: int = Field(8, ge=2, description="k: attempts per group; `resample` samples k-1 new replies.")
     min_group_size: int = Field(2, ge=2, description="Smaller `key`/`prompt` groups are dropped.")
-    max_episodes: int = Field(512, ge=1, description="Cap on selected episodes (the newest win).")
+    max_episodes: int = Field(
+        512, ge=1, description="Cap on selected episodes (the newest win); `resample_budget` caps the cost."
+    )
     min_rewards: int = Field(0, ge=0, description="Episodes with fewer reward rows are left out.")
     tags: list[str] = Field(default_factory=list, description="Only episodes carrying all these tags.")
     metadata: dict[str, Any] = Field(
@@ -206,7 +210,19 @@ class TrainConfig(_Section):
     resample_concurrency: int = Field(
         8,
         ge=1,
-        description="Trajectories resampled and scored at once through the engine (the local sampler: 1).",
+        description="Contexts resampled and scored at once through the engine (the local sampler: 1).",
+    )
+    resample_budget: int = Field(
+        512,
+        ge=0,
+        description="Most replies one `resample` run draws, over every context and round: first each context "
+        "is topped up to `group_size`, then groups without reward variance get more.",
+    )
+    resample_max_group_size: int = Field(
+        32,
+        ge=2,
+        description="A context whose replies all scored the same is resampled up to this many replies, "
+        "`group_size` at a time (at most `group_size` when smaller).",
     )
 
     # --- LoRA
@@ -244,6 +260,33 @@ class TrainConfig(_Section):
         SCALE_BY_STD_DEFAULT, description="Divide advantages by the group's std (off: Dr. GRPO)."
     )
     seed: int = Field(0, description="Seeds sampling, shuffling and LoRA init.")
+
+    # --- what went well: supervised fine-tuning on demonstrations (trainer/sft.py)
+    mode: TrainMode = Field(
+        "grpo",
+        description="`grpo`: policy gradient on groups; `sft`: fine-tune on demonstrations only (no groups); "
+        "`warm_start`: SFT on them, then GRPO, in one run; `mixed`: both losses in every optimizer step.",
+    )
+    sft_min_reward: float = Field(
+        0.8,
+        description="A reply (captured or resampled) is a demonstration when its reward is at least this.",
+    )
+    sft_per_context: int = Field(
+        1, ge=1, description="Most demonstrations per task (group or prompt), the best-rewarded first."
+    )
+    sft_max_examples: int = Field(256, ge=1, description="Cap on demonstrations per run (the best win).")
+    sft_learning_rate: float = Field(
+        1e-4, gt=0, description="Learning rate of the SFT phase (`sft`, `warm_start`)."
+    )
+    sft_epochs: int = Field(2, ge=1, description="Passes over the demonstrations (`sft`, `warm_start`).")
+    sft_coef: float = Field(
+        0.1, ge=0, description="`mixed`: weight of a demonstration token's NLL against a GRPO token's loss."
+    )
+    demonstration_sources: list[str] = Field(
+        default_factory=lambda: ["import"],
+        description="Unrewarded episodes from these sources (`episodes.source`) are demonstrations too: "
+        "conversations a team imported to teach. Rewarded ones must reach `sft_min_reward` like any other.",
+    )
 
     # --- collapse guard
     collapse_check_every: int = Field(

@@ -19,11 +19,13 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SYSTEM_PROMPT = """\
 You are an impartial judge. You compare several trajectories of an AI assistant that attempt the same task \
@@ -72,7 +74,11 @@ class JudgeOutcome:
     error: str | None = None
 
 
-class MalformedJudgement(ValueError):
+class MalformedAnswer(ValueError):
+    """A model answered, but not with the JSON it was asked for."""
+
+
+class MalformedJudgement(MalformedAnswer):
     """The judge answered, but not with one valid score per trajectory."""
 
 
@@ -172,16 +178,21 @@ def response_format(count: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- parsing
-def parse_scores(text: str, count: int) -> list[tuple[float, str]]:
-    """(score, explanation) for t1..t{count}, from the judge's text. Raises `MalformedJudgement`."""
+def json_object(text: str, error: type[MalformedAnswer] = MalformedAnswer) -> Any:
+    """The JSON object in a model's answer, leniently: code fences and text around the braces are ignored."""
     cleaned = _FENCE.sub("", text.strip())
     start, end = cleaned.find("{"), cleaned.rfind("}")
     if start < 0 or end < start:
-        raise MalformedJudgement(f"no JSON object in the judge's answer: {text[:200]!r}")
+        raise error(f"no JSON object in the answer: {text[:200]!r}")
     try:
-        data = msgspec.json.decode(cleaned[start : end + 1])
+        return msgspec.json.decode(cleaned[start : end + 1])
     except msgspec.DecodeError as exc:
-        raise MalformedJudgement(f"the judge's answer is not valid JSON: {exc}") from exc
+        raise error(f"the answer is not valid JSON: {exc}") from exc
+
+
+def parse_scores(text: str, count: int) -> list[tuple[float, str]]:
+    """(score, explanation) for t1..t{count}, from the judge's text. Raises `MalformedJudgement`."""
+    data = json_object(text, MalformedJudgement)
     entries = data.get("scores") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise MalformedJudgement("the judge's answer has no `scores` list")
@@ -254,7 +265,49 @@ async def judge_group(
     if len(conversations) != len(trajectory_ids) or not conversations:
         raise ValueError("one id per trajectory, and at least one trajectory")
     messages: list[dict[str, Any]] = list(build_prompt(conversations, rubric))
-    fmt = response_format(len(conversations))
+    answer = await ask_json(
+        messages,
+        response_format(len(conversations)),
+        settings,
+        lambda text: parse_scores(text, len(conversations)),
+        complete,
+        what="judge",
+    )
+    judgements = None
+    if answer.value is not None:
+        judgements = [
+            Judgement(trajectory_id, score, explanation)
+            for trajectory_id, (score, explanation) in zip(trajectory_ids, answer.value, strict=True)
+        ]
+    return JudgeOutcome(
+        settings.model, answer.attempts, answer.latency_ms, answer.cost_usd, judgements, answer.error
+    )
+
+
+@dataclass(frozen=True)
+class Answer(Generic[T]):
+    """A parsed answer (None when every attempt failed) and what asking for it took."""
+
+    value: T | None
+    attempts: int
+    latency_ms: float  # of the last attempt
+    cost_usd: float | None  # summed over attempts when the provider's price is known
+    error: str | None = None
+
+
+async def ask_json(
+    messages: list[dict[str, Any]],
+    fmt: dict[str, Any],
+    settings: JudgeSettings,
+    parse: Callable[[str], T],
+    complete: Complete = litellm_complete,
+    *,
+    what: str = "model",
+) -> Answer[T]:
+    """Ask for a structured answer; failed calls and answers `parse` refuses are retried with backoff.
+
+    Never raises for the model's failures: after `settings.max_retries` retries the answer carries the error.
+    """
     cost: float | None = None
     error = "not attempted"
     latency_ms = 0.0
@@ -269,15 +322,11 @@ async def judge_group(
             latency_ms = answer.latency_ms
             if answer.cost_usd is not None:
                 cost = (cost or 0.0) + answer.cost_usd
-            scores = parse_scores(answer.text, len(conversations))
+            value = parse(answer.text)
         except Exception as exc:  # any provider error or bad answer is retried, then reported
             latency_ms = (time.perf_counter() - started) * 1000
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            log.warning("judge attempt %d/%d failed: %s", attempt + 1, settings.max_retries + 1, error)
+            log.warning("%s attempt %d/%d failed: %s", what, attempt + 1, settings.max_retries + 1, error)
             continue
-        judgements = [
-            Judgement(trajectory_id, score, explanation)
-            for trajectory_id, (score, explanation) in zip(trajectory_ids, scores, strict=True)
-        ]
-        return JudgeOutcome(settings.model, attempts, latency_ms, cost, judgements)
-    return JudgeOutcome(settings.model, attempts, latency_ms, cost, None, error)
+        return Answer(value, attempts, latency_ms, cost)
+    return Answer(None, attempts, latency_ms, cost, error)

@@ -22,7 +22,7 @@ import logging
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -88,6 +88,20 @@ class RunnerConfig:
     base_model_path: Callable[[str], str] = str
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """One training run's own choices on top of the policy's `train` configuration (the admin API's train
+    body): `TrainConfig` overrides, and where its data window starts."""
+
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    since: datetime | None = None
+
+    def argv(self) -> list[str]:
+        """The same as `python -m trainer` flags (`--set` values are JSON, as the trainer reads them)."""
+        args = [f"--set={key}={json.dumps(value)}" for key, value in self.overrides.items()]
+        return [*args, f"--since={self.since.isoformat()}"] if self.since is not None else args
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -100,10 +114,14 @@ class JobRunner:
         self.config = config
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def start(self, policy: str, kind: JobKind, trigger: str = "manual") -> int:
-        """Start a job in the background and return its run id once it has one; raises JobBusy or LookupError."""
+    async def start(
+        self, policy: str, kind: JobKind, trigger: str = "manual", options: TrainOptions | None = None
+    ) -> int:
+        """Start a job in the background and return its run id once it has one; raises JobBusy or LookupError.
+
+        `options` only apply to a train job."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._execute(policy, kind, trigger, announced))
+        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, options))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda t: _forward_failure(t, announced))
@@ -129,7 +147,14 @@ class JobRunner:
                 await task
 
     # ------------------------------------------------------------------ one job
-    async def _execute(self, name: str, kind: JobKind, trigger: str, announced: asyncio.Future[int]) -> int:
+    async def _execute(
+        self,
+        name: str,
+        kind: JobKind,
+        trigger: str,
+        announced: asyncio.Future[int],
+        options: TrainOptions | None = None,
+    ) -> int:
         def announce(run_id: int) -> None:
             if not announced.done():
                 announced.set_result(run_id)
@@ -146,7 +171,7 @@ class JobRunner:
         try:
             jobs: dict[str, Callable[[PolicyInfo, str, Callable[[int], None]], Awaitable[int]]] = {
                 "judge": self._judge,
-                "train": functools.partial(self._train, owner=owner),
+                "train": functools.partial(self._train, owner=owner, options=options or TrainOptions()),
                 "retention": self._retention,
             }
             async with heartbeat(self.database, name, owner, ttl):
@@ -239,7 +264,13 @@ class JobRunner:
 
     # ------------------------------------------------------------------ training
     async def _train(
-        self, policy: PolicyInfo, trigger: str, announce: Callable[[int], None], *, owner: str
+        self,
+        policy: PolicyInfo,
+        trigger: str,
+        announce: Callable[[int], None],
+        *,
+        owner: str,
+        options: TrainOptions,
     ) -> int:
         async with self.database.session() as session:
             before = await latest_run_id(session, policy.id, "train")
@@ -247,7 +278,7 @@ class JobRunner:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         await self._engine_sleep(True)
         try:
-            rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path)
+            rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path, options)
         finally:
             await self._engine_sleep(False)
         error = "".join(tail).strip()[-4000:] or f"training process exited with {rc}"
@@ -275,13 +306,26 @@ class JobRunner:
         return {**(run.config if run is not None else {}), "trigger": trigger}
 
     async def _run_child(
-        self, policy: PolicyInfo, owner: str, before: int, announce: Callable[[int], None], log_path: Path
+        self,
+        policy: PolicyInfo,
+        owner: str,
+        before: int,
+        announce: Callable[[int], None],
+        log_path: Path,
+        options: TrainOptions,
     ) -> tuple[int | None, collections.deque[str], int | None]:
         try:
             base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
         except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
             return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
-        argv = [*self.config.train_command, "--policy", policy.name, "--base-model", base_model]
+        argv = [
+            *self.config.train_command,
+            "--policy",
+            policy.name,
+            "--base-model",
+            base_model,
+            *options.argv(),
+        ]
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         process = await asyncio.create_subprocess_exec(
             *argv,

@@ -49,6 +49,7 @@ class EpisodeOut(Struct):
     episode_id: str = msgspec.field(name="id")
     policy: str | None
     group_key: str | None
+    source: str
     metadata: dict[str, Any]
     tags: list[Any]
     reward: float | None

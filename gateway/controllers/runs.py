@@ -3,6 +3,7 @@ or retention run now, and pause or resume a policy's schedule (admin key)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -13,19 +14,26 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
 from gateway.controllers.params import PageLimit, PathName, RowId
-from gateway.errors import APIError, NotFound, invalid_policy_config
+from gateway.errors import APIError, InvalidRequest, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
 from storage.audit import record_audit
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
 from trainer.policy_config import InvalidPolicyConfig, load_policy_config
-from trainer.scheduler import JobBusy, JobKind
+from trainer.scheduler import JobBusy, JobKind, TrainOptions
 
 
 class Started(msgspec.Struct):
     run_id: int
     policy: str
     kind: str
+
+
+class TrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    """Optional body of a train trigger: this run's `TrainConfig` overrides and the start of its data window."""
+
+    overrides: dict[str, Any] = {}
+    since: datetime | None = None
 
 
 class ScheduleView(msgspec.Struct):
@@ -64,8 +72,30 @@ class RunsController(Controller):
         jobs: NamedDependency[Jobs],
         session: NamedDependency[AsyncSession],
     ) -> Started:
-        """Train now in a child process; the candidate goes through the gate. Answers with the run id."""
-        return await _start(request, jobs, session, name, "train")
+        """Train now in a child process; the candidate goes through the gate. Answers with the run id.
+
+        An optional JSON body, `{"overrides": {...}, "since": "<ISO time>"}`, overrides keys of the policy's
+        `train` configuration for this run (validated like `kaizen train --set`) and sets where its data starts.
+        """
+        raw = await request.body()
+        options = TrainOptions()
+        if raw.strip():
+            try:
+                body = msgspec.json.decode(raw, type=TrainBody)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise InvalidRequest(str(exc), code="invalid_value") from exc
+            policy = await get_policy(session, name)
+            if policy is None:
+                raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+            try:
+                load_policy_config(policy.config, train_overrides=body.overrides)
+            except InvalidPolicyConfig as exc:
+                raise invalid_policy_config(exc, param="overrides") from exc
+            since = body.since
+            if since is not None and since.tzinfo is None:
+                since = since.replace(tzinfo=UTC)
+            options = TrainOptions(body.overrides, since)
+        return await _start(request, jobs, session, name, "train", options)
 
     @post("/policies/{name:str}/judge", status_code=202)
     async def judge(
@@ -113,16 +143,25 @@ class RunsController(Controller):
 
 
 async def _start(
-    request: Request[Any, Any, Any], jobs: Jobs, session: AsyncSession, name: str, kind: JobKind
+    request: Request[Any, Any, Any],
+    jobs: Jobs,
+    session: AsyncSession,
+    name: str,
+    kind: JobKind,
+    options: TrainOptions | None = None,
 ) -> Started:
     try:
-        run_id = await jobs.runner.start(name, kind)
+        run_id = await jobs.runner.start(name, kind, options=options)
     except LookupError as exc:
         raise NotFound(str(exc), param="name", code="policy_not_found") from exc
     except JobBusy as exc:
         raise APIError(str(exc), code="job_running", status_code=409) from exc
     # The run row is written by the runner in a session of its own; the entry names it.
-    await record_audit(session, principal_of(request).actor, f"run.{kind}", name, {"run_id": run_id})
+    details: dict[str, Any] = {"run_id": run_id}
+    if options is not None and (options.overrides or options.since is not None):
+        details["overrides"] = dict(options.overrides)
+        details["since"] = options.since.isoformat() if options.since is not None else None
+    await record_audit(session, principal_of(request).actor, f"run.{kind}", name, details)
     return Started(run_id, name, kind)
 
 

@@ -70,11 +70,18 @@ def write_chart(path: Path, cycles: Sequence[Cycle], title: str) -> None:
             axes.annotate(f"v{cycle.version}", (minute, 1.02), ha="center", fontsize=8, color="tab:gray")
             previous = cycle.version
     axes.set_ylim(0, 1.08)
+    save_chart(figure, axes, path, title, ylabel="per cycle", legend="lower right")
+
+
+def save_chart(figure: Any, axes: Any, path: Path, title: str, *, ylabel: str, legend: str) -> None:
+    """Label a chart of something per cycle over minutes of live traffic, write it as PNG and close it."""
+    import matplotlib.pyplot as plt
+
     axes.set_xlabel("minutes of live traffic")
-    axes.set_ylabel("per cycle")
+    axes.set_ylabel(ylabel)
     axes.set_title(title, fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right")
+    axes.legend(loc=legend)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

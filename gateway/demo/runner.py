@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,13 @@ import httpx
 
 from gateway.base_models import resolve_base_model
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
-from gateway.demo.task import questions
+from gateway.demo.tasks import TASKS, Task
 from gateway.demo.traffic import SimulatedApp
 from gateway.serve_process import GatewayProcess
 
 logger = logging.getLogger(__name__)
 
 POLICY = "demo"
-TARGET_REWARD = 0.8
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,21 @@ class DemoOptions:
     max_tokens: int = 16
     seed: int = 0
     learning_rate: float = 3e-4
+    task: str = "opposites"  # a name in gateway.demo.tasks.TASKS
+
+    @property
+    def the_task(self) -> Task:
+        return TASKS[self.task]
 
 
 def policy_config(options: DemoOptions) -> dict[str, Any]:
-    """The demo policy: production-style `resample` groups over the newest rewarded episodes, trained as soon
-    as a handful arrive, scored by the task's reward function where nobody gave feedback, and guarded by the
-    evaluation gate on held-out questions."""
+    """The demo policy: production-style `resample` groups over every episode rewarded since the last run,
+    trained as soon as a handful arrive, scored by the task's reward function where nobody gave feedback, and
+    guarded by the evaluation gate on held-out questions."""
     return {
         "train": {
             "grouping": "resample",
             "group_size": 8,
-            "max_episodes": 16,  # the newest 16 rewarded episodes + 7 resamples each: four steps of 32 replies
             "max_new_tokens": options.max_tokens,
             "learning_rate": options.learning_rate,
             "micro_batch_size": 8,
@@ -62,7 +66,7 @@ def policy_config(options: DemoOptions) -> dict[str, Any]:
             "collapse_max_new_tokens": options.max_tokens,
             "seed": options.seed,
         },
-        "rewards": {"scorer": {"function": "gateway.demo.task:score"}},
+        "rewards": {"scorer": {"function": "gateway.demo.tasks:score"}},
         "schedule": {
             "judge_interval_s": None,
             "train_cron": None,
@@ -101,16 +105,24 @@ def _promotion_regressions(cycles: list[Cycle], window: int = 2) -> list[float]:
     return drops
 
 
-def summarise_run(cycles: list[Cycle], options: DemoOptions) -> dict[str, Any]:
-    """The numbers docs/training.md quotes, and whether each target was met."""
+def summarise_run(
+    cycles: list[Cycle],
+    options: DemoOptions,
+    runs: Sequence[dict[str, Any]] = (),
+    policy: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The numbers docs/training.md quotes, whether each target was met, and every finished training run
+    (`run_record`); `policy` is the configuration the run used when it was not the demo's own."""
+    task = options.the_task
     base = [c for c in cycles if c.version == 0] or cycles[:1]
     base_reward = sum(c.mean_reward for c in base) / len(base) if base else 0.0
     base_distinct = sum(c.distinct_share for c in base) / len(base) if base else 0.0
-    reached = next((c for c in cycles if c.mean_reward >= TARGET_REWARD), None)
+    reached = next((c for c in cycles if c.mean_reward >= task.target_reward), None)
     regressions = _promotion_regressions(cycles)
     after_base = [c for c in cycles if c.version not in (0, None)]
     last = cycles[-3:]
     return {
+        "task": task.name,
         "minutes": options.minutes,
         "cycles": len(cycles),
         "calls": sum(c.n_calls for c in cycles),
@@ -124,7 +136,8 @@ def summarise_run(cycles: list[Cycle], options: DemoOptions) -> dict[str, Any]:
         "min_distinct_share_after_base": min((c.distinct_share for c in after_base), default=None),
         "max_empty_share": max((c.empty_share for c in cycles), default=None),
         "targets": {
-            "reward_0.8_within_20_min": reached is not None and reached.elapsed_s <= 20 * 60,
+            f"reward_{task.target_reward}_within_{task.target_minutes:g}_min": reached is not None
+            and reached.elapsed_s <= task.target_minutes * 60,
             "no_regression_over_0.05_at_promotion": all(d <= 0.05 for d in regressions),
             "distinct_share_at_least_half_base": all(
                 c.distinct_share >= 0.5 * base_distinct for c in after_base
@@ -137,8 +150,9 @@ def summarise_run(cycles: list[Cycle], options: DemoOptions) -> dict[str, Any]:
             "concurrency": options.concurrency,
             "max_tokens": options.max_tokens,
             "seed": options.seed,
-            "policy_config": policy_config(options),
+            "policy_config": policy if policy is not None else policy_config(options),
         },
+        "runs": list(runs),
     }
 
 
@@ -170,6 +184,33 @@ async def _new_runs(http: httpx.AsyncClient, url: str, seen: set[int]) -> list[d
     return sorted(finished, key=lambda r: r["id"])
 
 
+def run_record(run: dict[str, Any]) -> dict[str, Any]:
+    """What the summary keeps of a training run: outcome, why, how far it moved and what its data cost."""
+    metrics = run.get("metrics") or {}
+    gate = metrics.get("gate") or {}
+    return {
+        "id": run["id"],
+        "status": run["status"],
+        "from_version": run.get("from_version"),
+        "to_version": run.get("to_version"),
+        "error": (run.get("error") or "")[:400] or None,
+        "groups": metrics.get("groups"),
+        "samples": metrics.get("samples"),
+        "resample": metrics.get("resample"),
+        "kl_to_base": metrics.get("kl_to_base"),
+        "kl_to_start": metrics.get("kl_to_start"),
+        # The collapse checks before the update and at the end: what the guard judged.
+        "collapse": [checks[0], checks[-1]] if (checks := metrics.get("collapse")) else None,
+        "gate": {
+            key: gate.get(key)
+            for key in ("decision", "candidate_reward", "active_reward", "reasons", "waived")
+            if key in gate
+        }
+        or None,
+        "wall_s": metrics.get("wall_s"),
+    }
+
+
 def _describe_run(run: dict[str, Any]) -> str:
     gate = run["metrics"].get("gate") or {}
     text = f"training run {run['id']}: {run['status']}"
@@ -187,13 +228,22 @@ def _describe_run(run: dict[str, Any]) -> str:
     return text
 
 
-async def run_demo(options: DemoOptions) -> dict[str, Any]:
-    """Start everything, run traffic cycles for `options.minutes`, stop, and write the report."""
+async def run_demo(
+    options: DemoOptions,
+    *,
+    policy: dict[str, Any] | None = None,
+    gateway_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Start everything, run traffic cycles for `options.minutes`, stop, and write the report.
+
+    `policy` replaces the demo's policy configuration and `gateway_env` adds to the gateway's environment: a
+    benchmark runs the same traffic against another checkout's gateway and trainer with them."""
     out = options.out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     options.data_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("base model: %s", options.base_model)
+    machine = {"cpus": os.cpu_count(), "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
+    logger.info("base model: %s; task: %s; load average %s", options.base_model, options.task, machine)
     base_path = await asyncio.to_thread(resolve_base_model, options.base_model, options.models_dir)
     secret = secrets.token_hex(16)
     log_path = (out or options.data_dir) / "gateway.log"
@@ -205,6 +255,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
             "KAIZEN_FEEDBACK_SECRET": secret,
             "KAIZEN_SCHEDULER": "true",
             "KAIZEN_SCHEDULER_REFRESH_S": "2",
+            **(gateway_env or {}),
         },
     )
     url, api_key = gateway.url, gateway.api_key
@@ -221,14 +272,15 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     app: SimulatedApp | None = None
     try:
         await gateway.wait_ready()
-        await gateway.create_policy(POLICY, policy_config(options))
+        config = policy if policy is not None else policy_config(options)
+        await gateway.create_policy(POLICY, config)
         await _wait_for_model(url, api_key, POLICY)
         logger.info("policy %r created (version 0 = the base model); traffic starts", POLICY)
         app = SimulatedApp(
             f"{url}/v1",
             api_key,
             secret,
-            questions(),
+            options.the_task.questions(),
             model=POLICY,
             rate=options.rate,
             concurrency=options.concurrency,
@@ -236,6 +288,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
             seed=options.seed,
         )
         seen_runs: set[int] = set()
+        runs: list[dict[str, Any]] = []
         deadline = time.monotonic() + options.minutes * 60
         while time.monotonic() < deadline:
             cycle = summarise(len(cycles) + 1, await app.cycle(options.cycle_calls))
@@ -253,7 +306,8 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
             )
             for run in await _new_runs(admin, url, seen_runs):
                 logger.info("  %s", _describe_run(run))
-            summary = summarise_run(cycles, options)
+                runs.append(run_record(run))
+            summary = {**summarise_run(cycles, options, runs, policy), "machine": machine}
             if out is not None:
                 write_json(out / "demo.json", cycles, summary)
     finally:
@@ -267,7 +321,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         write_chart(
             out / "demo.png",
             cycles,
-            f"kaizen demo: live reward, base {summary['base_reward']:.2f} -> "
+            f"kaizen demo ({options.task}): live reward, base {summary['base_reward']:.2f} -> "
             f"{summary['final_reward']:.2f} in {cycles[-1].elapsed_s / 60:.0f} min",
         )
         logger.info("wrote %s and %s", out / "demo.json", out / "demo.png")

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 import httpx
 from openai import AsyncOpenAI
 
-from gateway.demo.task import Question, reward
+from gateway.demo.tasks import Question, reward
 from gateway.signing import HEADER, sign
 
 logger = logging.getLogger(__name__)
+
+#: Tries of one feedback webhook before its reward is given up (and logged).
+FEEDBACK_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,26 @@ class SimulatedApp:
         )
 
     async def _feedback(self, request_id: str, value: float) -> None:
-        body = json.dumps({"request_id": request_id, "value": value, "name": "user"}).encode()
-        headers = {"Content-Type": "application/json", HEADER: sign(self.feedback_secret, body)}
-        response = await self.http.post(f"{self.base_url}/feedback", content=body, headers=headers)
-        if response.status_code >= 400:
-            logger.warning("feedback refused (%d): %s", response.status_code, response.text[:200])
+        """Send the reward as a webhook would: a connection lost on the way (a keep-alive connection the
+        gateway closed as it was reused) is retried, freshly signed; the idempotency key stores it once."""
+        item = {
+            "request_id": request_id,
+            "value": value,
+            "name": "user",
+            "idempotency_key": f"demo:{request_id}",
+        }
+        body = json.dumps(item).encode()
+        for attempt in range(1, FEEDBACK_ATTEMPTS + 1):
+            headers = {"Content-Type": "application/json", HEADER: sign(self.feedback_secret, body)}
+            try:
+                response = await self.http.post(f"{self.base_url}/feedback", content=body, headers=headers)
+            except httpx.TransportError as exc:
+                logger.warning("feedback attempt %d of %d failed: %r", attempt, FEEDBACK_ATTEMPTS, exc)
+                await asyncio.sleep(attempt)  # a new second: a new signature, not a replay
+                continue
+            if response.status_code >= 400:
+                logger.warning("feedback refused (%d): %s", response.status_code, response.text[:200])
+            return
 
     def _now(self) -> float:
         return time.monotonic() - self.started

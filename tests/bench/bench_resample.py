@@ -75,8 +75,12 @@ async def resample_once(
         )
         for i, question in enumerate(QUESTIONS[: args.trajectories])
     ]
+    # One round: every group scores 0, and extra rounds for groups without reward variance are not timed here.
     cfg = TrainConfig(
-        group_size=args.group_size, max_new_tokens=args.max_new_tokens, resample_concurrency=concurrency
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        resample_concurrency=concurrency,
+        resample_max_group_size=args.group_size,
     )
     sampler = EngineEndpoint(f"{url}/v1", api_key).sampler(
         POLICY, tokenizer, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature

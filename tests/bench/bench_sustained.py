@@ -33,8 +33,10 @@ import aiohttp
 
 from gateway.serve_process import GatewayProcess
 from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
+from tests.support import proc_stats
 from tests.support.child_gateway import rss_bytes, upstream_gateway
 from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+from tests.support.proc_stats import child_pids, cpu_seconds
 from tests.support.sql import fetch_rows
 
 logger = logging.getLogger("bench_sustained")
@@ -120,6 +122,16 @@ async def capture_counters(session: aiohttp.ClientSession, gateway: GatewayProce
         return dict(await response.json()) if response.status == 200 else {"status": response.status}
 
 
+def capture_writer_pid(gateway: GatewayProcess) -> int | None:
+    """The gateway's capture writer process (None for a gateway that writes from a thread of its own)."""
+    assert gateway.process is not None
+    for pid in child_pids(gateway.process.pid):
+        with contextlib.suppress(OSError):
+            if b"gateway.capture_writer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
 async def through_gateway(
     session: aiohttp.ClientSession, gateway: GatewayProcess, database_url: str, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -128,6 +140,10 @@ async def through_gateway(
     chat_url = f"{gateway.url}/v1/chat/completions"
     warm = await load(session, chat_url, headers, args.warmup_seconds, args.concurrency)
     rss_start = rss_bytes(gateway)
+    assert gateway.process is not None
+    writer = capture_writer_pid(gateway)
+    rows_start = await row_count(database_url)
+    cpu_start = (cpu_seconds(gateway.process.pid), cpu_seconds(writer) if writer else 0.0)
     run = Run()
     backlog: list[int] = []
     rss: list[int] = []
@@ -148,14 +164,25 @@ async def through_gateway(
         rows = await row_count(database_url)
     drain_s = time.perf_counter() - stopped
     rss_end = rss_bytes(gateway)
+    # CPU time per call does not depend on how loaded the machine is: the figure to compare on a shared one.
+    serving_cpu_s = cpu_seconds(gateway.process.pid) - cpu_start[0]
+    writer_cpu_s = cpu_seconds(writer) - cpu_start[1] if writer else None
+    stored = rows - rows_start
+    rate = run.served / run.elapsed_s if run.elapsed_s else 0.0
     return {
         **run.summary(),
+        "serving_cpu_us_per_call": round(serving_cpu_s / run.served * 1e6, 1) if run.served else None,
+        "writer_cpu_us_per_row": round(writer_cpu_s / stored * 1e6, 1) if writer_cpu_s and stored else None,
+        "writer_rss_mb": round(proc_stats.rss_bytes(writer) / MB, 1) if writer else None,
         "rss_start_mb": round(rss_start / MB, 1),
         "rss_end_mb": round(rss_end / MB, 1),
         "rss_growth_mb": round((rss_end - rss_start) / MB, 1),
         "rss_max_mb": round(max(rss, default=rss_end) / MB, 1),
         "backlog_max": max(backlog, default=0),
         "backlog_mean": round(statistics.fmean(backlog), 1) if backlog else 0,
+        # The backlog as time: how far behind the answers the rows are, against the flush window (50 ms).
+        "backlog_max_ms": round(max(backlog, default=0) / rate * 1000, 1) if rate else None,
+        "backlog_mean_ms": round(statistics.fmean(backlog) / rate * 1000, 1) if rate and backlog else None,
         "backlog_samples": len(backlog),
         "drain_s": round(drain_s, 3),
         "served_total": served,
@@ -235,7 +262,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     header = (
         f"{'target':<9} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'errors':>6} | {'RSS start':>9} {'end':>6} "
-        f"{'growth':>6} | {'backlog max':>11} {'mean':>6} | {'drain s':>7} {'missing':>7}"
+        f"{'growth':>6} | {'backlog max':>11} {'mean':>6} {'max ms':>7} {'mean ms':>7} | {'drain s':>7} "
+        f"{'missing':>7} | {'us/call':>7} {'us/row':>6}"
     )
     lines = [header, "-" * len(header)]
     for name, r in results.items():
@@ -243,11 +271,14 @@ def format_table(results: dict[str, Any]) -> str:
         if "rss_start_mb" in r:
             row += (
                 f" {r['rss_start_mb']:>9} {r['rss_end_mb']:>6} {r['rss_growth_mb']:>6} |"
-                f" {r['backlog_max']:>11} {r['backlog_mean']:>6} | {r['drain_s']:>7} {r['missing_after_drain']:>7}"
+                f" {r['backlog_max']:>11} {r['backlog_mean']:>6} {r['backlog_max_ms']!s:>7} {r['backlog_mean_ms']!s:>7} |"
+                f" {r['drain_s']:>7} {r['missing_after_drain']:>7} | {r['serving_cpu_us_per_call']!s:>7}"
+                f" {r['writer_cpu_us_per_row']!s:>6}"
             )
         lines.append(row)
     lines.append(
-        "RSS in MiB; backlog = calls answered with 200 but not yet rows in `calls`, sampled every 0.5 s"
+        "RSS in MiB (the serving process); backlog = calls answered with 200 but not yet rows in `calls`, sampled "
+        "every 0.5 s, and as ms of traffic; CPU us per served call (serving process) and per stored row (writer)"
     )
     return "\n".join(lines)
 

@@ -1,7 +1,9 @@
-"""Capture writer throughput alone: rows/s from `CaptureSink.submit` into SQLite and PostgreSQL.
+"""Capture writer throughput alone: rows/s from `CaptureSink.submit` into SQLite and PostgreSQL, and the CPU
+each row costs the serving process, the writer process and the PostgreSQL server.
 
 Submits a burst of chat-sized records (a short conversation, token ids and logprobs, as the vLLM engine
-returns them) through the real sink (capture log append included) and times until every one is committed. The
+returns them) through the real sink (capture log append included) and times until every one is committed. CPU
+time per row does not depend on how busy the machine is, so it is the figure to compare on a shared one. The
 served rate of one gateway (`bench_overhead`, c32) is the number to beat.
 
     python -m tests.bench.bench_writer [--records 20000] [--out results/writer.json]
@@ -22,10 +24,10 @@ from typing import Any
 
 from gateway.capture import CaptureSink
 from gateway.settings import async_database_url
-from storage.database import Database
 from storage.records import CallRecord
 from storage.schema import upgrade_database
 from tests.support.postgres import PostgresServer, find_bin_dir
+from tests.support.proc_stats import cpu_seconds, tree_cpu_seconds
 
 log = logging.getLogger("bench_writer")
 
@@ -63,29 +65,39 @@ def make_record(n: int) -> CallRecord:
     )
 
 
-async def measure(url: str, workdir: Path, records: int, batch_size: int) -> dict[str, Any]:
+async def measure(
+    url: str, workdir: Path, records: int, batch_size: int, server_pid: int | None
+) -> dict[str, Any]:
     await upgrade_database(url)
-    database = Database(url)
-    sink = CaptureSink(
-        database, workdir / "spool" / "calls.jsonl", queue_size=records + 1, batch_size=batch_size
-    )
+    sink = CaptureSink(url, workdir / "spool" / "log", batch_size=batch_size)
     await sink.start()
+    assert sink._process is not None
+    writer_pid = sink._process.pid
     burst = [make_record(n) for n in range(records)]
+    cpu = (time.process_time(), cpu_seconds(writer_pid), tree_cpu_seconds(server_pid) if server_pid else 0.0)
     started = time.perf_counter()
     for record in burst:
         sink.submit(record)
     submitted = time.perf_counter() - started
+    submit_cpu_s = time.process_time() - cpu[0]
     await sink.flush(timeout_s=600)
     elapsed = time.perf_counter() - started
+    serving_s = time.process_time() - cpu[0]
+    writer_s = cpu_seconds(writer_pid) - cpu[1]
+    server_s = tree_cpu_seconds(server_pid) - cpu[2] if server_pid else None
     await sink.stop()
-    await database.dispose()
-    assert sink.stats.written == records, sink.snapshot()
+    assert sink.snapshot()["written"] == records, sink.snapshot()
     return {
         "records": records,
         "batch_size": batch_size,
-        "submit_us_per_call": submitted / records * 1e6,
-        "seconds": elapsed,
-        "rows_per_s": records / elapsed,
+        "submit_us_per_call": round(submitted / records * 1e6, 1),
+        "submit_cpu_us_per_call": round(submit_cpu_s / records * 1e6, 1),  # the hot path's share of capture
+        "seconds": round(elapsed, 3),
+        "rows_per_s": round(records / elapsed),
+        "serving_cpu_us_per_row": round(serving_s / records * 1e6, 1),
+        "writer_cpu_us_per_row": round(writer_s / records * 1e6, 1),
+        "database_server_cpu_us_per_row": None if server_s is None else round(server_s / records * 1e6, 1),
+        "writer_rows_per_cpu_s": round(records / writer_s) if writer_s else None,
     }
 
 
@@ -94,7 +106,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         sqlite_url = async_database_url(f"sqlite:///{work / 'kaizen.db'}")
-        results["sqlite"] = await measure(sqlite_url, work / "s", args.records, args.batch_size)
+        results["sqlite"] = await measure(sqlite_url, work / "s", args.records, args.batch_size, None)
         log.info("sqlite: %s", results["sqlite"])
         bin_dir = find_bin_dir()
         if bin_dir is None:
@@ -106,7 +118,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         try:
             server.wait_ready()
             url = async_database_url(server.create_database("bench_writer"))
-            results["postgresql"] = await measure(url, work / "p", args.records, args.batch_size)
+            pid = int((server.data / "postmaster.pid").read_text().split()[0])
+            results["postgresql"] = await measure(url, work / "p", args.records, args.batch_size, pid)
             log.info("postgresql: %s", results["postgresql"])
         finally:
             server.destroy()

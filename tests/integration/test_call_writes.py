@@ -7,15 +7,16 @@ import asyncio
 import time
 import uuid
 
+import msgspec
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from gateway.settings import async_database_url
 from storage.calls import _copy_new, write_calls
 from storage.database import Database
 from storage.models import Call, Episode
-from storage.records import CallRecord
+from storage.records import CallRecord, LoggedCall
 from storage.schema import upgrade_database
 from tests.support.postgres import PostgresServer
 
@@ -94,5 +95,47 @@ def test_copy_of_a_stored_id_is_refused_as_a_database_error(postgres: PostgresSe
                     await _copy_new(connection, Call, [row])
         finally:
             await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_read_back_from_the_log_is_stored_as_its_record(database_url: str) -> None:
+    """The writer keeps the JSON-only fields of a logged line as their raw bytes (`LoggedCall`): stored, they
+    read back exactly as the record's values, JSON null as SQL NULL and NUL characters included."""
+    url = async_database_url(database_url)
+    full = record("full", "e-full", time.time())
+    full.request["messages"][0]["content"] = "a\u0000b é ✓"
+    full.error = {"status": 502, "message": "upstream", "code": None}
+    bare = CallRecord(
+        id="bare", episode_id="e-bare", episode_resolved=True, model="p", request={}, created_at=1.0
+    )
+    logged = [msgspec.json.decode(msgspec.json.encode(r), type=LoggedCall) for r in (full, bare)]
+    assert isinstance(logged[0].request, msgspec.Raw)
+
+    async def scenario() -> None:
+        await upgrade_database(url)
+        db = Database(url)
+        try:
+            async with db.session() as session:
+                assert await write_calls(session, logged) == 2
+            async with db.session() as session:
+                rows = {c.id: c for c in (await session.execute(select(Call))).scalars()}
+                sql_null = await session.execute(
+                    text("SELECT id FROM calls WHERE response IS NULL AND error IS NULL")
+                )
+        finally:
+            await db.dispose()
+        for original in (full, bare):
+            row = rows[original.id]
+            for field in (
+                "request",
+                "response",
+                "prompt_token_ids",
+                "completion_token_ids",
+                "completion_logprobs",
+            ):
+                assert getattr(row, field) == getattr(original, field), field
+            assert row.error == original.error and row.usage == original.usage
+        assert [row.id for row in sql_null] == ["bare"]  # SQL NULL, not the JSON text `null`
 
     asyncio.run(scenario())

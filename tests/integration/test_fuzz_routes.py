@@ -9,14 +9,19 @@ session cookie (and, for writes, the CSRF header) of a login made at the start o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from gateway.http_protocol import OpenAIH11Protocol, OpenAIHttpToolsProtocol
+from gateway.settings import Settings
 from tests.conftest import query
 from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
@@ -191,8 +196,20 @@ ROUTES = [
     ),
     *[
         Route("POST", f"/admin/policies/{{name}}/{action}", ADMIN_KEY, params={"name": "nope"})
-        for action in ("rollback", "train", "judge", "retention", "pause", "resume")
+        for action in ("rollback", "judge", "retention", "pause", "resume")
     ],
+    Route(
+        "POST",
+        "/admin/policies/{name}/train",
+        ADMIN_KEY,
+        {"overrides": {"mode": "sft"}, "since": "2026-01-01T00:00:00Z"},
+        {
+            "overrides": ["x", [1], {"lerning_rate": 1}, {"mode": "dance"}],
+            "since": ["yesterday", 5, "2026-13-01"],
+            "unknown": [1],
+        },
+        params={"name": "nope"},
+    ),
     Route(
         "GET",
         "/admin/runs",
@@ -535,3 +552,32 @@ def test_text_postgresql_cannot_store_is_a_400(
     assert response.status_code == 400, response.text
     validate("ErrorResponse", response.json())
     assert _counts(url) == before
+
+
+@pytest.mark.parametrize("http", [OpenAIHttpToolsProtocol, OpenAIH11Protocol], ids=["httptools", "h11"])
+def test_requests_the_http_parser_rejects_get_an_openai_shaped_400(
+    http: type[asyncio.Protocol], tmp_path: Path
+) -> None:
+    """Both of uvicorn's parsers (httptools, and h11 where httptools is not installed) answer OpenAI-shaped."""
+    settings = Settings.load(
+        data_dir=tmp_path,
+        engine="upstream",
+        upstream_url="http://127.0.0.1:9/v1",
+        scheduler=False,
+        port=0,
+    )
+    gw = GatewayServer(settings, http=http).start()
+    try:
+        for request in (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad: a\nb\r\n\r\n",
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+            b"NOT HTTP AT ALL\r\n\r\n",
+        ):
+            raw = _raw_request(gw.port, request)
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), raw
+            assert b"content-type: application/json" in head.lower(), raw
+            validate("ErrorResponse", json.loads(body))
+            assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    finally:
+        gw.stop()

@@ -590,7 +590,9 @@ def test_a_chain_continues_on_another_replica_and_after_a_restart(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
     first_gw = make_gateway(database_url)
-    second_gw = make_gateway(database_url)
+    # The first replica's capture writer (a process of its own) may still be starting on a loaded machine: the
+    # second replica waits for the stored response longer than the default.
+    second_gw = make_gateway(database_url, responses_read_wait_s=15.0)
     first = sdk(first_gw).responses.with_raw_response.create(model="scripted-1", input="one")
     # At once on the other replica: the response may still be in the first one's capture queue.
     second = sdk(second_gw).responses.with_raw_response.create(

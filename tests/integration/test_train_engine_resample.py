@@ -37,6 +37,7 @@ CONFIG = {
     "train": {
         "grouping": "resample",
         "group_size": GROUP_SIZE,
+        "resample_max_group_size": GROUP_SIZE,  # one round: each context gets exactly k-1 replies
         "max_new_tokens": 16,
         "learning_rate": 1e-5,
         "micro_batch_size": 8,
@@ -120,6 +121,10 @@ def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_lo
     assert sampler.model == "engine-resample@0"
     assert len(sampler.recorded) == len(PROMPTS)
     assert outcome.metrics["data"]["resampled_replies"] == len(PROMPTS) * (GROUP_SIZE - 1)
+    resampling = outcome.metrics["resample"]
+    assert resampling["replies"] == len(PROMPTS) * (GROUP_SIZE - 1) and resampling["rounds"] == 1
+    assert resampling["contexts"] == len(PROMPTS)
+    assert resampling["groups_with_signal"] == outcome.metrics["groups"]
     assert outcome.metrics["resampled_trajectories"] > 0
     assert "retokenised" not in outcome.metrics["data"]
 

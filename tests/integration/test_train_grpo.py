@@ -18,10 +18,12 @@ from storage.database import Database
 from storage.policies import create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.support.training_data import RewardedReply, write_rewarded_groups
-from trainer.grouping import Sample
+from trainer.grouping import PolicyReplyScorer, Sample
 from trainer.job import TrainingBusy, TrainRequest, run_training
 from trainer.model import LocalSampler, load_policy, pick_device
-from trainer.policy_config import TrainConfig
+from trainer.policy_config import TrainConfig, load_policy_config
+from trainer.ruler import JudgeSettings
+from trainer.scoring import Scorer
 
 PROMPTS = [
     "Name a color. Reply with one word only.",
@@ -54,10 +56,21 @@ def train_settings() -> dict[str, Any]:
         "collapse_prompts": 2,
         "collapse_samples": 4,
         "collapse_max_new_tokens": 16,
-        # Shorter replies are the goal of this task, so the length ratio is not a collapse here.
-        # and a one-word reply is far from the base model per token (its early end-of-turn is unlikely there).
-        "collapse_bounds": {"min_length_ratio": 0.0, "max_kl_to_base": 3.0},
+        # No collapse bounds are loosened: shorter replies are the goal of this task, and the collapse checks
+        # score their replies with the policy's scorer, so a policy that became terse because the reward asked
+        # for it is not stopped as collapsed.
     }
+
+
+def one_word(trajectory: dict[str, Any]) -> float:
+    """The policy's reward function (its `scorer.function`): what the collapse checks score replies with."""
+    return brevity(trajectory["messages"][-1].get("content") or "")
+
+
+CONFIG = {
+    "train": train_settings(),
+    "rewards": {"scorer": {"function": "tests.integration.test_train_grpo:one_word"}},
+}
 
 
 def sampler(model_dir: Path, adapter: str | None, seed: int) -> LocalSampler:
@@ -101,10 +114,17 @@ def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model:
         db = Database(url)
         try:
             async with db.session() as session:
-                await create_policy(session, "shortbot", "smollm2-135m-instruct", {"train": train_settings()})
+                await create_policy(session, "shortbot", "smollm2-135m-instruct", CONFIG)
                 await session.commit()
             await insert_data(db, old_samples, "shortbot")
-            request = TrainRequest("shortbot", tmp_path / "data", str(embedded_model), device="cpu")
+            scorer = Scorer(load_policy_config(CONFIG).rewards, JudgeSettings(model=""))
+            request = TrainRequest(
+                "shortbot",
+                tmp_path / "data",
+                str(embedded_model),
+                scorer=PolicyReplyScorer(scorer, "shortbot"),
+                device="cpu",
+            )
             outcome = await run_training(db, request)
             async with db.session() as session:
                 from storage.policies import get_policy
@@ -126,6 +146,12 @@ def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model:
     assert [(a.version, a.status) for a in adapters] == [(outcome.version, "candidate")]
     assert Path(outcome.adapter_path or "", "adapter_config.json").is_file()
     assert not [p for p in Path(outcome.adapter_path or "").parent.iterdir() if p.name.startswith(".")]
+
+    # The policy moved as far as the reward asked: the last collapse check crossed movement bounds (shorter,
+    # surer, far from where the run started) that its replies' higher reward waived.
+    baseline, final = metrics["collapse"][0], metrics["collapse"][-1]
+    print(f"collapse checks: {baseline} -> {final}")
+    assert final["reward"] > baseline["reward"] and final["waived"], final
 
     # The captured replies are fresh samples of the old adapter (here: the base model) on the same prompts.
     before = mean_reward(old_samples)

@@ -19,6 +19,7 @@ from storage.training import (
     last_data_cutoff,
     rewarded_episodes,
     start_run,
+    unrewarded_episodes,
 )
 
 
@@ -93,3 +94,45 @@ def test_selection_window_rewards_and_lock(database_url: str) -> None:
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_unrewarded_episodes_of_demonstration_sources(database_url: str) -> None:
+    """Demonstrations without a reward: only the sources asked for, only episodes no reward names (neither
+    themselves nor one of their calls), only inside the window."""
+    url = async_database_url(database_url)
+
+    async def scenario() -> list[str]:
+        await upgrade_database(url)
+        db = Database(url)
+        try:
+            now = time.time()
+            records = [
+                record("c1", "imported", now - 30),
+                record("c2", "imported-rewarded", now - 20),
+                record("c3", "imported-call-rewarded", now - 20),
+                record("c4", "bootstrapped", now - 10),
+                record("c5", "traffic", now - 10),
+                record("c6", "imported-old", now - 3600),
+            ]
+            for r in records:
+                r.source = {"bootstrapped": "bootstrap", "traffic": "traffic"}.get(r.episode_id, "import")
+            async with db.session() as session:
+                await create_policy(session, "p", "base")
+                await write_calls(session, records)
+                session.add_all(
+                    [
+                        Reward(episode_id="imported-rewarded", source="feedback", value=1.0),
+                        Reward(call_id="c3", source="feedback", value=0.0),
+                    ]
+                )
+                await session.commit()
+                since = datetime.fromtimestamp(now - 600, UTC)
+                found = await unrewarded_episodes(
+                    session, "p", sources=["import", "bootstrap"], since=since, until=datetime.now(UTC)
+                )
+            assert all(e.reward == 0.0 and e.reward_count == 0 for e in found)
+            return [e.id for e in found]
+        finally:
+            await db.dispose()
+
+    assert asyncio.run(scenario()) == ["imported", "bootstrapped"]

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from gateway.serve_process import GatewayProcess
+from tests.support import proc_stats
 
 
 def upstream_gateway(
@@ -49,9 +50,6 @@ async def terminate(gateway: GatewayProcess, timeout_s: float = 60) -> int:
 
 
 def rss_bytes(gateway: GatewayProcess) -> int:
-    """Resident memory of the gateway process (Linux `/proc`)."""
+    """Resident memory of the gateway process (its capture writer is a process of its own)."""
     assert gateway.process is not None
-    for line in Path(f"/proc/{gateway.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS line in /proc/<pid>/status")
+    return proc_stats.rss_bytes(gateway.process.pid)

@@ -24,9 +24,14 @@ class GatewayServer:
     """The gateway exactly as `kaizen serve` runs it, minus the process boundary (so tests can inspect it)."""
 
     def __init__(
-        self, settings: Settings, services: Services | None = None, startup_timeout_s: float = 30
+        self,
+        settings: Settings,
+        services: Services | None = None,
+        startup_timeout_s: float = 30,
+        http: type[asyncio.Protocol] = OpenAIHttpToolsProtocol,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
+        self.http = http  # uvicorn's HTTP protocol class (its parser)
         self.port = settings.port or free_port()
         self.settings = settings.model_copy(update={"port": self.port})
         self.services = services or build_services(self.settings)
@@ -46,7 +51,7 @@ class GatewayServer:
             host="127.0.0.1",
             port=self.port,
             loop="asyncio",
-            http=OpenAIHttpToolsProtocol,
+            http=self.http,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=10,

@@ -7,6 +7,8 @@ behaviour in the request itself and needs no mocks:
 - ``#tool`` / ``#tools2``: one / two parallel ``get_weather`` tool calls, finish_reason ``tool_calls``;
 - ``#json TEXT``: the content is TEXT (words joined by single spaces), e.g. a JSON object for structured output;
 - ``#refuse``: no content but a ``refusal`` (streamed as refusal deltas), as OpenAI's models refuse;
+- ``#agent N``: an agent loop of N turns: while fewer than N tool results follow the last user message, one
+  ``get_weather`` call (a new city each turn); then the content ``"done: <the tool results>"``;
 - ``#long N``: N words (``w0 w1 ...``) so streams have many chunks;
 - ``#slow MS``: wait MS ms before answering (streams: before every chunk after the first);
 - ``#error STATUS``: that HTTP status with an error body;
@@ -66,12 +68,13 @@ VOCAB_SIZE: Final = 50_000
 MAX_CHOICES: Final = 16
 MAX_TOP_LOGPROBS: Final = 20
 
-_DIRECTIVE = re.compile(r"#(tools2|tool|long|slow|error|garbage|hang|refuse)\b(?:\s+(\d+))?")
+_DIRECTIVE = re.compile(r"#(tools2|tool|agent|long|slow|error|garbage|hang|refuse)\b(?:\s+(\d+))?")
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE: Final = b"data: [DONE]\n\n"
 _TOOL_ARGUMENTS: Final = ('{"city": "Paris"}', '{"city": "London"}')
 REFUSAL: Final = "I can't help with that."
+_AGENT_CITIES: Final = ("Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo")
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -106,12 +109,13 @@ class Script:
     hang: bool = False
     json_text: str | None = None
     refuse: bool = False
+    agent_turns: int = 0
 
 
 @functools.lru_cache(maxsize=4096)
 def parse_script(text: str) -> Script:
     """Read the directives out of a user message; cached because benchmarks repeat one message."""
-    tool_calls, long_words, slow_ms, error_status = 0, None, 0, None
+    tool_calls, long_words, slow_ms, error_status, agent_turns = 0, None, 0, None, 0
     garbage = hang = refuse = False
     for name, arg in _DIRECTIVE.findall(text):
         number = int(arg) if arg else None
@@ -119,6 +123,8 @@ def parse_script(text: str) -> Script:
             tool_calls = 1
         elif name == "tools2":
             tool_calls = 2
+        elif name == "agent":
+            agent_turns = number if number is not None else 1
         elif name == "long":
             long_words = number if number is not None else 100
         elif name == "slow":
@@ -139,8 +145,9 @@ def parse_script(text: str) -> Script:
         error_status,
         garbage,
         hang,
-        json_text if json_directive else None,
-        refuse,
+        json_text=json_text if json_directive else None,
+        refuse=refuse,
+        agent_turns=agent_turns,
     )
 
 
@@ -173,17 +180,27 @@ class Plan:
 
 @functools.lru_cache(maxsize=4096)
 def generate(
-    last_user_text: str, choices: int, max_tokens: int | None, plan: Plan = Plan()
+    last_user_text: str,
+    choices: int,
+    max_tokens: int | None,
+    plan: Plan = Plan(),
+    tool_results: tuple[str, ...] = (),
+    agent_turns: int = 0,
 ) -> tuple[Generation, ...]:
     """Deterministic outputs for a request; cached so the hot path only builds JSON."""
     script = parse_script(last_user_text)
     outputs = []
     for index in range(choices):
-        if not plan.after_tool and (plan.tool is not None or script.tool_calls):
+        calls: tuple[tuple[str, str], ...] = ()
+        if agent_turns > len(tool_results):
+            city = _AGENT_CITIES[len(tool_results) % len(_AGENT_CITIES)]
+            calls = (("get_weather", f'{{"city": "{city}"}}'),)
+        elif not plan.after_tool and (plan.tool is not None or script.tool_calls):
             if plan.tool is not None:
-                calls: tuple[tuple[str, str], ...] = (plan.tool,)
+                calls = (plan.tool,)
             else:
                 calls = tuple(("get_weather", _TOOL_ARGUMENTS[k]) for k in range(script.tool_calls))
+        if calls:
             raw = " ".join(
                 f'<tool_call> {{"name": "{name}", "arguments": {args}}} </tool_call>' for name, args in calls
             )
@@ -202,6 +219,8 @@ def generate(
             words = script.json_text.split()
         elif script.long_words is not None and not plan.after_tool:
             words = [f"w{i}" for i in range(script.long_words)]
+        elif agent_turns:
+            words = ["done:", *" | ".join(tool_results).split()]
         else:
             words = ["echo:", *last_user_text.split()]
         if choices > 1:
@@ -296,6 +315,10 @@ class ChatRequest:
 
     model: str
     last_user_text: str
+    #: Texts of the tool results after the last user message (what an agent loop has gathered so far).
+    tool_results: tuple[str, ...]
+    #: `#agent N` in the last user message: the loop's length, whatever message comes last.
+    agent_turns: int
     prompt_text: str
     n: int
     max_tokens: int | None
@@ -334,6 +357,22 @@ def parse_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array")
+    last_user_index = next(
+        (
+            i
+            for i in range(len(messages) - 1, -1, -1)
+            if isinstance(messages[i], dict) and messages[i].get("role") == "user"
+        ),
+        None,
+    )
+    tool_results = tuple(
+        _message_text(m)
+        for m in messages[(last_user_index or 0) + 1 :]
+        if isinstance(m, dict) and m.get("role") == "tool"
+    )
+    user_script = parse_script(
+        _message_text(messages[last_user_index]) if last_user_index is not None else ""
+    )
     last_user = next(
         (m for m in reversed(messages) if isinstance(m, dict) and m.get("role") in ("user", "tool")), None
     )
@@ -344,6 +383,8 @@ def parse_request(body: Any) -> ChatRequest:
     return ChatRequest(
         model=str(body.get("model") or MODELS[0]),
         last_user_text=_message_text(last_user) if last_user is not None else "",
+        tool_results=tool_results,
+        agent_turns=user_script.agent_turns,
         prompt_text=" ".join(_message_text(m) for m in messages),
         n=_int_field(body, "n", 1, 1, MAX_CHOICES) or 1,
         max_tokens=max_tokens,
@@ -385,7 +426,9 @@ class _Responder:
         self.quirks = quirks
         self.id = f"chatcmpl-scripted-{seq}"
         self.created = int(time.time())
-        self.outputs = generate(req.last_user_text, req.n, req.max_tokens, req.plan)
+        self.outputs = generate(
+            req.last_user_text, req.n, req.max_tokens, req.plan, req.tool_results, req.agent_turns
+        )
         self.prompt_ids = text_token_ids(req.prompt_text)
 
     def tool_call_id(self, choice: int, k: int) -> str:

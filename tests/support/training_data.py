@@ -1,5 +1,5 @@
-"""Rewarded trajectories written straight to the database, the way the capture path writes them, for tests that
-train without serving traffic first."""
+"""Rewarded trajectories (and unrewarded demonstrations) written straight to the database, the way the capture path
+writes them, for tests that train without serving traffic first."""
 
 from __future__ import annotations
 
@@ -68,3 +68,27 @@ async def write_rewarded_groups(
         await write_calls(session, records)
         session.add_all(rewards)
         await session.commit()
+
+
+async def write_demonstrations(
+    db: Database, policy: str, conversations: Sequence[tuple[str, str]], source: str
+) -> list[str]:
+    """One unrewarded single-call episode per (prompt, reply), without token ids (as an import stores them);
+    returns the episode ids."""
+    records = [
+        CallRecord(
+            id=uuid.uuid4().hex,
+            episode_id=uuid.uuid4().hex,
+            episode_resolved=True,
+            policy=policy,
+            model=policy,
+            request={"messages": [{"role": "user", "content": prompt}], "params": {}},
+            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]},
+            source=source,
+            created_at=time.time(),
+        )
+        for prompt, reply in conversations
+    ]
+    async with db.session() as session:
+        await write_calls(session, records)
+    return [r.episode_id for r in records]

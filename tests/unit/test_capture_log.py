@@ -1,20 +1,36 @@
-"""The capture log (write-ahead segments) and the sink around it, against a real SQLite file: a record is on
-disk before `submit` returns, a kill leaves a log that the next start replays exactly once (a torn last line
-included), committed segments are truncated or deleted, and `stop` stores the batch being written."""
+"""The capture log and its writer process, against a real SQLite file: a record is on disk before `submit`
+returns, the writer follows the segments as they grow and rotate, a kill leaves a log that the next start
+replays exactly once (a torn last line included), stored segments are deleted, `stop` stores the batch being
+written, and a writer that dies or a log that cannot be written loses nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gateway.capture import CaptureSink, WriteAheadLog
+from gateway.capture_writer import (
+    CaptureWriter,
+    Channel,
+    LogTail,
+    WriterConfig,
+    segment_numbers,
+    segment_path,
+)
+from storage.calls import write_calls
 from storage.database import Database
 from storage.records import CallRecord
 from storage.schema import upgrade_database_sync
+from tests.support.polling import wait_until_async
+from tests.support.postgres import free_port
 
 
 def record(n: int, client_id: str | None = None) -> CallRecord:
@@ -38,6 +54,8 @@ def lines(path: Path) -> list[bytes]:
 def database_path(tmp_path: Path) -> Path:
     path = tmp_path / "kaizen.db"
     upgrade_database_sync(f"sqlite+aiosqlite:///{path}")
+    with sqlite3.connect(path) as connection:  # as the gateway's first connection leaves it
+        connection.execute("PRAGMA journal_mode=WAL")
     return path
 
 
@@ -48,63 +66,108 @@ def stored_ids(database_path: Path) -> list[str]:
 
 def make_sink(tmp_path: Path, database_path: Path, **options: float) -> CaptureSink:
     return CaptureSink(
-        Database(f"sqlite+aiosqlite:///{database_path}"),
-        tmp_path / "spool" / "calls.jsonl",
-        wal_dir=tmp_path / "spool" / "log",
+        f"sqlite+aiosqlite:///{database_path}",
+        tmp_path / "spool" / "log",
         **options,  # type: ignore[arg-type]
     )
 
 
-def test_append_is_on_disk_and_settling_truncates_the_active_segment(tmp_path: Path) -> None:
+def test_append_is_on_disk_and_rotation_starts_the_next_segment(tmp_path: Path) -> None:
     wal = WriteAheadLog(tmp_path / "log", segment_bytes=1 << 20)
-    segments = [wal.append(record(n)) for n in range(3)]
-    (path,) = wal.directory.glob("*.jsonl")
-    assert len(lines(path)) == 3  # readable by another process without a close or fsync
-    wal.settle(segments[:2])
-    assert len(lines(path)) == 3 and wal.unsettled == 1
-    wal.settle(segments[2:])
-    assert path.stat().st_size == 0 and wal.unsettled == 0
+    assert wal.open() == 0
+    for n in range(3):
+        wal.append(record(n))
+    assert len(lines(segment_path(wal.directory, 0))) == 3  # readable by another process, no close or fsync
+    wal.rotate()
+    assert segment_numbers(wal.directory) == [0, 1]  # the next exists at once: the writer knows 0 is complete
     wal.append(record(3))
-    assert len(lines(path)) == 1
+    assert len(lines(segment_path(wal.directory, 1))) == 1
+    wal.close()
+    wal.close()
+    assert segment_numbers(wal.directory) == [0, 1]
+    again = WriteAheadLog(wal.directory, segment_bytes=1 << 20)
+    assert again.open() == 2  # after what an earlier process left
+    again.close()
+    assert segment_numbers(wal.directory) == [0, 1]  # an empty segment is not left behind
 
 
-def test_rotated_segments_are_deleted_once_committed(tmp_path: Path) -> None:
+def test_segments_rotate_at_their_size(tmp_path: Path) -> None:
     wal = WriteAheadLog(tmp_path / "log", segment_bytes=4096)
-    segments = [wal.append(record(n)) for n in range(40)]
-    assert len(set(segments)) > 2
-    first = min(segments)
-    wal.settle(s for s in segments if s == first)
-    on_disk = {int(p.stem) for p in wal.directory.glob("*.jsonl")}
-    assert first not in on_disk and on_disk == set(segments) - {first}
-    wal.settle(s for s in segments if s != first)
-    assert [p.stat().st_size for p in wal.directory.glob("*.jsonl")] in ([], [0])
+    wal.open()
+    for n in range(40):
+        wal.append(record(n))
+    found = segment_numbers(wal.directory)
+    assert len(found) > 2
+    assert sum(len(lines(segment_path(wal.directory, s))) for s in found) == 40
+
+
+def test_the_tail_follows_a_growing_segment_and_skips_a_torn_line(tmp_path: Path) -> None:
+    directory = tmp_path / "log"
+    directory.mkdir()
+    segment_path(directory, 3).write_bytes(b'{"a": 1}\n{"a": 2}\n{"torn')  # left by a killed process
+    live = segment_path(directory, 4)
+    live.write_bytes(b'{"b": 1}\n{"b"')
+    tail = LogTail(directory, live_from=4)
+    got = tail.read(100)
+    assert [line for line, _ in got] == [b'{"a": 1}', b'{"a": 2}', b'{"b": 1}']
+    assert [start for _, start in got] == [(3, 0), (3, 9), (4, 0)]
+    assert tail.caught_up and tail.position == (4, 9)  # a partial line of the live segment waits
+    with live.open("ab") as handle:
+        handle.write(b': 2}\n{"b": 3}\n')
+    assert [line for line, _ in tail.read(100)] == [b'{"b": 2}', b'{"b": 3}']
+    segment_path(directory, 5).write_bytes(b'{"c": 1}\n')  # 4 is complete once 5 exists
+    assert [(line, start) for line, start in tail.read(100)] == [(b'{"c": 1}', (5, 0))]
+    tail.seek((3, 9))  # read again from a position (a replay after the database was down)
+    assert [line for line, _ in tail.read(2)][:2] == [b'{"a": 2}', b'{"b": 1}']
 
 
 def test_a_killed_process_log_is_replayed_once_torn_line_skipped(tmp_path: Path, database_path: Path) -> None:
     # What a SIGKILL leaves: whole lines of answered calls, one of them already committed, and a torn write.
     wal = WriteAheadLog(tmp_path / "spool" / "log", segment_bytes=1 << 20)
+    wal.open()
     for n in range(5):
         wal.append(record(n))
-    (path,) = wal.directory.glob("*.jsonl")
-    with path.open("ab") as handle:
+    with segment_path(wal.directory, 0).open("ab") as handle:
         handle.write(b'{"id": "call-torn", "episode_')
 
     async def run() -> None:
-        committed = make_sink(tmp_path, database_path)
-        await committed._write([record(0)])
+        database = Database(f"sqlite+aiosqlite:///{database_path}")
+        async with database.session() as session:
+            await write_calls(session, [record(0)])
+        await database.dispose()
         sink = make_sink(tmp_path, database_path)
         await sink.start()  # replays before it returns: the gateway serves only after this
         assert stored_ids(database_path) == [f"call-{n}" for n in range(5)]
-        assert sink.stats.recovered == 4
-        assert list(sink.wal.directory.glob("*.jsonl")) == []
+        assert sink.snapshot()["recovered"] == 4
         await sink.stop()
+        assert segment_numbers(wal.directory) == []
         again = make_sink(tmp_path, database_path)
         await again.start()
-        assert again.stats.recovered == 0
+        assert again.snapshot()["recovered"] == 0
         await again.stop()
 
     asyncio.run(run())
     assert stored_ids(database_path) == [f"call-{n}" for n in range(5)]
+
+
+def test_stored_segments_are_deleted(tmp_path: Path, database_path: Path) -> None:
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0)
+        await sink.start()
+        for n in range(3):
+            sink.submit(record(n))
+        first = sink.wal.segment
+        sink.wal.rotate()  # what the once-a-second tick does
+
+        async def deleted() -> bool:
+            return first not in segment_numbers(sink.wal.directory)
+
+        await wait_until_async(deleted, "the stored segment to be deleted", timeout_s=30)
+        assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
+        assert sink.snapshot()["log_unsettled"] == 0
+        await sink.stop()
+
+    asyncio.run(run())
 
 
 def test_stop_stores_the_batch_being_written(tmp_path: Path, database_path: Path) -> None:
@@ -116,12 +179,13 @@ def test_stop_stores_the_batch_being_written(tmp_path: Path, database_path: Path
         try:
             for n in range(5):
                 sink.submit(record(n))
-            deadline = time.monotonic() + 5
-            while sink.snapshot()["queue_depth"] > 0:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.005)
+
+            async def writing() -> bool:
+                return sink.snapshot()["writing"] > 0
+
+            await wait_until_async(writing, "the writer to block on the lock with a batch", timeout_s=30)
             for n in range(5, 8):
-                sink.submit(record(n))  # queued behind the batch in progress
+                sink.submit(record(n))  # behind the batch in progress
             stopping = asyncio.create_task(sink.stop())
             for _ in range(5):
                 await asyncio.sleep(0)
@@ -133,7 +197,7 @@ def test_stop_stores_the_batch_being_written(tmp_path: Path, database_path: Path
 
     asyncio.run(run())
     assert stored_ids(database_path) == [f"call-{n}" for n in range(8)]
-    assert [p.stat().st_size for p in (tmp_path / "spool" / "log").glob("*.jsonl")] in ([], [0])
+    assert segment_numbers(tmp_path / "spool" / "log") == []
 
 
 def test_calls_submitted_after_stop_stay_in_the_log(tmp_path: Path, database_path: Path) -> None:
@@ -145,8 +209,138 @@ def test_calls_submitted_after_stop_stay_in_the_log(tmp_path: Path, database_pat
         sink.submit(record(1))  # e.g. a response finished past the drain: durable, stored at next start
         after = make_sink(tmp_path, database_path)
         await after.start()
-        assert after.stats.recovered == 1
+        assert after.snapshot()["recovered"] == 1
         await after.stop()
 
     asyncio.run(run())
     assert stored_ids(database_path) == ["call-1"]
+
+
+def test_a_killed_writer_is_restarted_and_loses_nothing(tmp_path: Path, database_path: Path) -> None:
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0, retry_s=0.05)
+        await sink.start()
+        for n in range(50):
+            sink.submit(record(n))
+        assert sink._process is not None
+        sink._process.kill()
+        for n in range(50, 100):
+            sink.submit(record(n))  # while the writer is dead or starting again
+        await sink.flush(timeout_s=60)
+        counters = sink.snapshot()
+        assert counters["writer_restarts"] == 1 and counters["dropped"] == 0
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == sorted(f"call-{n}" for n in range(100))
+
+
+def test_a_call_the_log_cannot_take_still_reaches_the_database(tmp_path: Path, database_path: Path) -> None:
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0)
+        await sink.start()
+
+        def disk_full(_: CallRecord) -> None:
+            raise OSError(28, "No space left on device")
+
+        sink.wal.append = disk_full  # type: ignore[method-assign]
+        sink.submit(record(1))
+        await sink.flush(timeout_s=30)
+        counters = sink.snapshot()
+        assert counters["log_failures"] == 1 and counters["written"] == 1 and counters["dropped"] == 0
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-1"]
+
+
+def test_a_spool_file_of_an_earlier_version_is_stored(tmp_path: Path, database_path: Path) -> None:
+    spool = (
+        tmp_path / "spool" / "calls.jsonl"
+    )  # where calls waited for the database before the log was the spool
+    spool.parent.mkdir(parents=True)
+    spool.write_bytes(b"".join(msgspec.json.encode(record(n)) + b"\n" for n in range(3)))
+
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path)
+        await sink.start()
+        assert sink.snapshot()["recovered"] == 3
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
+    assert not spool.exists() and segment_numbers(tmp_path / "spool" / "log") == []
+
+
+def test_a_drain_past_its_timeout_leaves_the_rest_for_the_next_start(
+    tmp_path: Path, database_path: Path
+) -> None:
+    async def run() -> None:
+        # Nothing listens on this port: the database is unreachable through the whole drain.
+        unreachable = f"postgresql+asyncpg://kaizen@127.0.0.1:{free_port()}/kaizen"
+        sink = CaptureSink(unreachable, tmp_path / "spool" / "log", flush_ms=1.0, drain_timeout_s=0.5)
+        await sink.start()
+        for n in range(4):
+            sink.submit(record(n))
+        await sink.stop()
+        assert sink.snapshot()["spooled"] == 4
+        assert segment_numbers(tmp_path / "spool" / "log") != []  # the calls wait in the log
+        after = make_sink(tmp_path, database_path)
+        await after.start()
+        assert after.snapshot()["recovered"] == 4
+        await after.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == [f"call-{n}" for n in range(4)]
+
+
+def test_calls_wait_in_the_log_while_the_database_is_down_and_are_counted_once(
+    tmp_path: Path, database_path: Path
+) -> None:
+    wal = WriteAheadLog(tmp_path / "log", segment_bytes=1 << 20)
+    live = wal.open()
+    wal.append(record(0))
+    with segment_path(wal.directory, live).open("ab") as handle:
+        handle.write(b'{"not": "a call"}\n')  # dropped once, however often the log is read again
+    wal.append(record(1))
+
+    async def run() -> None:
+        unreachable = Database(f"postgresql+asyncpg://kaizen@127.0.0.1:{free_port()}/kaizen")
+        config = WriterConfig(
+            database_url="",
+            log_dir=str(wal.directory),
+            live_from=live,
+            batch_size=500,
+            flush_ms=1.0,
+            retry_s=0.05,
+            drain_timeout_s=30.0,
+            log_level=logging.WARNING,
+        )
+        writer = CaptureWriter(config, Channel(io.BytesIO()), unreachable)
+        running = asyncio.create_task(writer.run())
+
+        def counted(spooled: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return writer.status.spooled == spooled and not writer.status.database_up
+
+            return check
+
+        await wait_until_async(counted(2), "the two calls held for the database", timeout_s=30)
+        wal.append(record(2))  # answered during the outage: counted by reading ahead
+        await wait_until_async(counted(3), "the call answered during the outage", timeout_s=30)
+        writer.database = Database(f"sqlite+aiosqlite:///{database_path}")  # the database answers again
+
+        async def replayed() -> bool:
+            return writer.status.replayed == 3
+
+        await wait_until_async(replayed, "the held calls to be stored", timeout_s=30)
+        status = writer.status
+        assert (status.spooled, status.replayed, status.written, status.dropped) == (3, 3, 0, 1)
+        assert (status.held, status.spool_bytes, status.settled, status.database_up) == (0, 0, 4, True)
+        writer.orphaned = True
+        await running
+        await unreachable.dispose()
+        await writer.database.dispose()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]

@@ -1,20 +1,26 @@
-"""The demo's task must reward content, not format; its report must say what docs/training.md quotes."""
+"""The demo's tasks must reward content, not format; its report must say what docs/training.md quotes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
-from gateway.demo.runner import DemoOptions, policy_config, summarise_run
-from gateway.demo.task import PAIRS, questions, reward, score
-from gateway.demo.traffic import CallResult, served_version
+from gateway.demo.runner import DemoOptions, policy_config, run_record, summarise_run
+from gateway.demo.tasks import OPPOSITES, PAST_TENSE, TASKS, reward, score
+from gateway.demo.traffic import CallResult, SimulatedApp, served_version
+from gateway.signing import HEADER
 from trainer.policy_config import load_policy_config
 
-QUESTIONS = questions()
+QUESTIONS = TASKS["opposites"].questions()
 HOT = next(q for q in QUESTIONS if q.word == "hot")
+PAST = TASKS["past-tense"].questions()
+GO = next(q for q in PAST if q.word == "go")
 
 
 def test_the_right_opposite_scores_in_any_phrasing() -> None:
@@ -31,14 +37,33 @@ def test_wrong_empty_hedged_and_off_topic_replies_score_nothing() -> None:
     assert reward("I like turtles.", HOT) == 0.0
 
 
-@pytest.mark.parametrize("constant", ["cold", "", "The answer is yes.", "small slow cold"])
-def test_a_constant_reply_scores_at_most_a_fifth(constant: str) -> None:
-    mean = sum(reward(constant, q) for q in QUESTIONS) / len(QUESTIONS)
-    assert mean <= 0.2
+def test_the_past_tense_is_checked_by_content_too() -> None:
+    assert reward("went", GO) == 1.0
+    assert reward('The past tense of "go" is "went".', GO) == 1.0
+    assert reward("goed", GO) == 0.0
+    assert reward("went or ran", GO) == 0.0  # hedged
+    assert reward("", GO) == 0.0
+    assert reward("I think it is went", GO) == 1.0  # "think" is a question's word, not a candidate answer
 
 
-def test_questions_are_unique_and_score_reads_the_trajectory() -> None:
-    assert len({q.key for q in QUESTIONS}) == len(QUESTIONS) == len(PAIRS) == 60
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize(
+    "constant", ["cold", "went", "", "The answer is yes.", "small slow cold", "went ran ate"]
+)
+def test_a_constant_reply_scores_at_most_one_question_in_sixty(task: str, constant: str) -> None:
+    questions = TASKS[task].questions()
+    mean = sum(reward(constant, q) for q in questions) / len(questions)
+    assert mean <= 1 / 60
+
+
+@pytest.mark.parametrize(("task", "table"), [("opposites", OPPOSITES), ("past-tense", PAST_TENSE)])
+def test_questions_are_unique_and_no_question_word_is_an_answer(task: str, table: dict[str, Any]) -> None:
+    questions = TASKS[task].questions()
+    assert len({q.key for q in questions}) == len({q.prompt for q in questions}) == len(table) == 60
+    assert not {q.word for q in questions} & questions[0].candidates
+
+
+def test_score_reads_the_trajectory_of_any_task() -> None:
     trajectory = {
         "messages": [
             {"role": "user", "content": HOT.prompt},
@@ -46,6 +71,8 @@ def test_questions_are_unique_and_score_reads_the_trajectory() -> None:
         ]
     }
     assert score(trajectory) == 1.0
+    went = {"messages": [{"role": "user", "content": GO.prompt}, {"role": "assistant", "content": "Went."}]}
+    assert score(went) == 1.0
     with pytest.raises(ValueError, match="not a demo task"):
         score({"messages": [{"role": "user", "content": "What is 2+2?"}]})
 
@@ -120,3 +147,70 @@ def test_run_summary_checks_every_target(tmp_path: Path) -> None:
     )
     write_chart(tmp_path / "demo.png", cycles, "test")
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_training_run_is_kept_with_why_it_stopped_and_what_it_cost(tmp_path: Path) -> None:
+    stopped = {
+        "id": 7,
+        "status": "failed",
+        "from_version": 4,
+        "to_version": None,
+        "error": "collapse guard stopped the run: kl_to_start 0.9 > 0.5 nats/token",
+        "metrics": {
+            "groups": 12,
+            "samples": 140,
+            "kl_to_base": 1.2,
+            "kl_to_start": 0.9,
+            "resample": {"replies": 512, "groups_with_signal": 12},
+            "collapse": [{"step": 0}, {"step": 4}, {"step": 8}],
+        },
+    }
+    record = run_record(stopped)
+    assert record["error"].startswith("collapse guard") and record["gate"] is None
+    assert record["collapse"] == [{"step": 0}, {"step": 8}]  # the start and the end
+    assert record["resample"]["replies"] == 512 and record["kl_to_start"] == 0.9
+    gated = {
+        "id": 8,
+        "status": "rejected",
+        "to_version": 5,
+        "metrics": {"gate": {"decision": "reject", "x": 1}},
+    }
+    assert run_record(gated)["gate"] == {"decision": "reject"}
+
+    options = DemoOptions(tmp_path, tmp_path / "data", tmp_path, "smollm2-135m-instruct", task="past-tense")
+    summary = summarise_run([cycle(1, 0, 0.05), cycle(2, 1, 0.55)], options, [record])
+    assert summary["task"] == "past-tense" and summary["runs"] == [record]
+    assert summary["targets"]["reward_0.5_within_30_min"]
+
+
+def test_feedback_lost_on_the_way_is_resent_signed_anew_with_one_idempotency_key() -> None:
+    sent: list[httpx.Request] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if len(sent) == 1:
+            raise httpx.ReadError("connection closed by the server")
+        return httpx.Response(200, json={"items": []})
+
+    async def main() -> None:
+        app = SimulatedApp(
+            "http://gateway.test/v1",
+            "key",
+            "secret",
+            [],
+            model="demo",
+            rate=1,
+            concurrency=1,
+            max_tokens=8,
+            seed=0,
+        )
+        await app.http.aclose()
+        app.http = httpx.AsyncClient(transport=httpx.MockTransport(gateway))
+        await app._feedback("req-1", 1.0)
+        await app.close()
+
+    asyncio.run(main())
+    assert len(sent) == 2
+    first, second = (json.loads(r.content) for r in sent)
+    assert first == second and first["idempotency_key"] == "demo:req-1"
+    assert sent[0].headers[HEADER] != sent[1].headers[HEADER]  # a resend is not a replay

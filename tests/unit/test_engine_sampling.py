@@ -170,7 +170,7 @@ def test_ruler_judges_the_original_with_the_resamples_and_its_score_is_discarded
     judge = RecordingScorer("judge")
     cfg = TrainConfig(grouping="resample", group_size=3)
     original = trajectory(0, 0.25, reply={"role": "assistant", "content": "the original answer"})
-    [group] = asyncio.run(
+    [group], _ = asyncio.run(
         resample_groups([original], cfg, FixedSampler(), PolicyReplyScorer(judge, "p"), DataReport())
     )
     [judged] = judge.groups

@@ -1,4 +1,4 @@
-"""The update loop's batching and the trainer's model set-up: faster, and the same maths."""
+"""The update loop's batching, the trainer's model set-up and the collapse monitor: faster, and the same maths."""
 
 from pathlib import Path
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trainer.batch import TokenizedSample, collate
-from trainer.grpo import _forward_logprobs, plan_steps
+from trainer.collapse import CollapseBounds
+from trainer.grpo import CollapseMonitor, _forward_logprobs, plan_steps
 from trainer.model import bf16_supported, load_policy
 from trainer.policy_config import TrainConfig
 
@@ -111,3 +112,47 @@ def test_trainer_model_gives_the_logprobs_and_gradients_of_plain_peft(tiny_model
     assert g_fast.keys() == g_plain.keys() and g_fast
     for name in g_fast:
         torch.testing.assert_close(g_fast[name], g_plain[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_collapse_monitor_measures_kl_to_where_the_run_started_and_restores_its_weights(
+    tiny_model_dir: Path,
+) -> None:
+    """KL to the run's start comes from the start's LoRA weights swapped in for one pass (not from the base
+    model), and the trained weights come back bit for bit; the replies are scored for reward evidence."""
+    device = torch.device("cpu")
+    cfg = TrainConfig(
+        lora_rank=4, lora_alpha=8, collapse_prompts=2, collapse_samples=8, collapse_max_new_tokens=6
+    )
+    model, tokenizer = load_policy(str(tiny_model_dir), None, cfg, device)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    contexts = [([{"role": "user", "content": "t3"}], None), ([{"role": "user", "content": "t6"}], None)]
+    scored: list[tuple[int, int]] = []
+
+    def score(index: int, replies: list[str]) -> list[float | None]:
+        scored.append((index, len(replies)))
+        return [float(index)] * len(replies)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(2)
+
+    def move() -> list[torch.Tensor]:
+        with torch.no_grad():
+            for param in trainable:
+                param.add_(torch.randn(param.shape, generator=generator))
+        return [p.detach().clone() for p in trainable]
+
+    move()  # the run starts from an adapter that is not the base model
+    torch.manual_seed(0)
+    monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, CollapseBounds(), score)
+    baseline = monitor.start()
+    assert baseline.kl_to_start == 0.0 and baseline.kl_to_base != 0.0
+    assert baseline.reward == 0.5 and scored == [(0, 8), (1, 8)]
+
+    monitor(1)  # not moved since the start: no distance to it, whatever the distance to the base
+    still = monitor.history[-1]
+    assert still["kl_to_start"] == pytest.approx(0.0, abs=1e-6) and abs(still["kl_to_base"]) > 1e-4
+
+    trained = move()
+    monitor(2)
+    assert abs(monitor.history[-1]["kl_to_start"]) > 1e-4
+    assert all(torch.equal(p, t) for p, t in zip(trainable, trained, strict=True))

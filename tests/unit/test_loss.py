@@ -5,7 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer.batch import TokenizedSample, collate, token_logprobs
-from trainer.loss import LossMode, policy_loss
+from trainer.loss import LossMode, policy_loss, sft_loss
 from trainer.policy_config import CLIP_HIGH, CLIP_LOW, KL_COEF, TIS_CAP
 
 # Hand-made batch: B=2 trajectories, T=3 tokens, ε_low=0.2, ε_high=0.28, C=2.
@@ -311,3 +311,51 @@ def test_one_step_on_a_tiny_llama_lora_follows_the_advantage(advantage: float) -
     after = reply_logprob()
 
     assert (after - before) * advantage > 1e-3, (before, after)
+
+
+# SFT: B=2, T=3; the masked-out token [1][2] holds -inf to show padding garbage cannot leak in.
+SFT_LOGPROBS = [[-0.5, -1.0, -2.0], [-0.25, -3.0, -math.inf]]
+SFT_MASK = [[False, True, True], [True, True, False]]
+
+
+def test_sft_loss_by_hand() -> None:
+    logprobs = torch.tensor(SFT_LOGPROBS, requires_grad=True)
+    out = sft_loss(logprobs, torch.tensor(SFT_MASK))
+    # -(-1.0 - 2.0 - 0.25 - 3.0) / 4 tokens
+    assert out.loss.item() == pytest.approx(6.25 / 4)
+    assert out.mean_nll.item() == pytest.approx(6.25 / 4)
+    assert out.num_tokens == 4
+    out.loss.backward()
+    assert logprobs.grad is not None
+    # d loss / d logπ = -1/4 on every masked token, 0 elsewhere (also where logπ is -inf)
+    assert logprobs.grad.tolist() == [[0.0, -0.25, -0.25], [-0.25, -0.25, 0.0]]
+
+
+def test_sft_loss_weight_and_normaliser_scale_the_loss_not_the_reported_nll() -> None:
+    logprobs = torch.tensor(SFT_LOGPROBS)
+    out = sft_loss(logprobs, torch.tensor(SFT_MASK), weight=0.5, normaliser=10.0)
+    assert out.loss.item() == pytest.approx(0.5 * 6.25 / 10)
+    assert out.mean_nll.item() == pytest.approx(6.25 / 4)
+    empty = sft_loss(logprobs, torch.zeros(2, 3, dtype=torch.bool))
+    assert (empty.loss.item(), empty.num_tokens) == (0.0, 0)
+
+
+def test_sft_loss_refuses_misshapen_input() -> None:
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        sft_loss(torch.zeros(3), torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask has shape"):
+        sft_loss(torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="non-negative"):
+        sft_loss(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), weight=-1.0)
+
+
+def test_one_sft_step_on_a_tiny_lm_makes_the_demonstration_likelier() -> None:
+    torch.manual_seed(0)
+    model = BigramLM()
+    sample = _sample(0.0)
+    before = _reply_logprob(model, sample)
+    optimiser = torch.optim.SGD(model.parameters(), lr=0.5)
+    batch = collate([sample], pad_id=0)
+    sft_loss(token_logprobs(model(batch.input_ids), batch.targets), batch.loss_mask).loss.backward()
+    optimiser.step()
+    assert _reply_logprob(model, sample) > before + 1e-3

@@ -3,11 +3,14 @@ names every problem."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 from trainer.policy_config import DEFAULT_RUBRIC, InvalidPolicyConfig, PolicyConfig, load_policy_config
 
@@ -133,3 +136,29 @@ def test_importing_the_configuration_loads_neither_torch_nor_polars() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _leaf_keys(model: type[BaseModel]) -> set[str]:
+    """The names of a section's settings, nested sections flattened (their own fields, not their name)."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys |= _leaf_keys(annotation)
+        else:
+            keys.add(name)
+    return keys
+
+
+@pytest.mark.parametrize("section", sorted(PolicyConfig.model_fields))
+def test_every_key_is_in_the_configuration_table(section: str) -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = re.search(rf"### `{section}`\n(.*?)(?=\n### |\Z)", page, re.S)
+    assert table is not None, f"docs/configuration.md has no `{section}` section"
+    named = set()
+    for row in re.findall(r"^\| (.*?) \|", table.group(1), re.M):
+        named |= {name.rsplit(".", 1)[-1] for name in re.findall(r"`([\w.]+)`", row)}
+    annotation = PolicyConfig.model_fields[section].annotation
+    assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    missing = _leaf_keys(annotation) - named
+    assert not missing, f"`{section}` keys missing from docs/configuration.md: {sorted(missing)}"

@@ -136,6 +136,23 @@ def test_json_directive_and_tool_results_script_the_reply(client: httpx.Client) 
     assert reply["choices"][0]["finish_reason"] == "stop"
 
 
+def test_agent_calls_a_tool_each_turn_then_answers_from_the_results(upstream: ScriptedUpstream) -> None:
+    sdk = openai.OpenAI(base_url=upstream.url, api_key="unused")
+    messages: list[Any] = [{"role": "user", "content": "weather report #agent 2"}]
+    cities = []
+    for _ in range(2):
+        message = sdk.chat.completions.create(model="scripted-1", messages=messages).choices[0].message
+        [call] = [c for c in message.tool_calls or [] if isinstance(c, ChatCompletionMessageFunctionToolCall)]
+        cities.append(json.loads(call.function.arguments)["city"])
+        messages += [
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": f"{cities[-1]}: sunny"},
+        ]
+    final = sdk.chat.completions.create(model="scripted-1", messages=messages).choices[0]
+    assert cities == ["Paris", "London"]
+    assert (final.finish_reason, final.message.content) == ("stop", "done: Paris: sunny | London: sunny")
+
+
 def test_streamed_tool_calls_assemble_through_the_sdk(upstream: ScriptedUpstream) -> None:
     sdk = openai.OpenAI(base_url=upstream.url, api_key="unused")
     stream = sdk.chat.completions.create(

@@ -149,7 +149,9 @@ def test_resample_keeps_original_reward_and_counts_unscored() -> None:
 
     report = DataReport()
     cfg = TrainConfig(grouping="resample", group_size=4)
-    [group] = asyncio.run(resample_groups([trajectory(0, 0.5)], cfg, FixedSampler(), LengthScorer(), report))
+    [group], _ = asyncio.run(
+        resample_groups([trajectory(0, 0.5)], cfg, FixedSampler(), LengthScorer(), report)
+    )
     assert [m.origin for m in group.members] == ["captured", "resampled", "resampled"]
     assert group.rewards == [0.5, 0.0, 1.0]
     assert (
@@ -207,7 +209,7 @@ def test_resampling_runs_concurrently_up_to_the_limits_and_keeps_the_order(
 
     sampler = SlowSampler(sampler_limit)
     cfg = TrainConfig(grouping="resample", group_size=3, resample_concurrency=3)
-    groups = asyncio.run(resample_groups(_contexts(10), cfg, sampler, IndexScorer(), DataReport()))
+    groups, _ = asyncio.run(resample_groups(_contexts(10), cfg, sampler, IndexScorer(), DataReport()))
     assert sampler.peak == expected_peak
     # later contexts answer sooner, yet the groups keep the trajectories' order
     assert [g.members[0].episode_id for g in groups] == [f"e{i}" for i in range(10)]

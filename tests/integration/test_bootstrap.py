@@ -1,0 +1,140 @@
+"""`kaizen bootstrap` as a user runs it: the real command in its own process, against a real gateway.
+
+Here the gateway serves through the scripted upstream and the scenario writer is the scripted judge (exact
+scenarios); the run writes, attempts and scores scenarios (`--no-train`) and the episodes are stored with
+source `bootstrap`. Training on them through the real vLLM engine is `test_bootstrap_engine.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gateway.bootstrap_command import choose_mode, group_keys
+from gateway.settings import async_database_url
+from storage.database import Database
+from storage.policies import create_policy
+from tests.conftest import query
+from tests.support.gateway_server import GatewayServer
+from tests.support.scripted_judge import ScriptedJudge
+from trainer.gate import is_held_out
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_KEY = "boot-admin"
+SCENARIOS = ["Name a color.", "Name a fruit that is yellow.", "Name a planet."]
+
+
+def kaizen(*args: str, admin_key: str = ADMIN_KEY) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    env["KAIZEN_ADMIN_KEY"] = admin_key
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def make_policy(url: str, name: str, config: dict[str, Any]) -> None:
+    async def create() -> None:
+        database = Database(async_database_url(url))
+        try:
+            async with database.session() as session:
+                await create_policy(session, name, "smollm2-135m-instruct", config)
+                await session.commit()
+        finally:
+            await database.dispose()
+
+    asyncio.run(create())
+
+
+def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_episodes(
+    make_gateway: Callable[..., GatewayServer], database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key=ADMIN_KEY)
+    scorer = {"rewards": {"scorer": {"function": "tests.support.reward_functions:length_score"}}}
+    make_policy(database_url, "scripted-1", scorer)
+    with ScriptedJudge() as writer:
+        writer.script.append(json.dumps({"scenarios": [{"message": m} for m in SCENARIOS]}))
+        done = kaizen(
+            "bootstrap",
+            "--policy=scripted-1",
+            "--task=Answer with one word.",
+            "--scenarios=3",
+            "--attempts=2",
+            "--no-train",
+            f"--gateway-url={gw.url}/v1",
+            "--writer-model=writer-model",
+            f"--writer-api-base={writer.url}",
+        )
+        writer_prompt = writer.prompts()[0]
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert (report["scenarios"], report["episodes"], report["scored_episodes"]) == (3, 6, 6)
+    assert report["judge_run"] is not None and report["mode"] is None and report["train_run"] is None
+    assert "Answer with one word." in writer_prompt
+    assert "3 scenarios written" in done.stderr and "scoring 3 groups" in done.stderr  # progress, logged
+
+    episodes = query(database_url, "SELECT id, source, group_key, metadata FROM episodes ORDER BY group_key")
+    assert len(episodes) == 6 and {e["source"] for e in episodes} == {"bootstrap"}
+    assert len({e["group_key"] for e in episodes}) == 3
+    tags = {
+        (json.loads(e["metadata"]) if isinstance(e["metadata"], str) else e["metadata"])["kaizen_bootstrap"]
+        for e in episodes
+    }
+    assert tags == {report["run_tag"]}
+    asked = query(database_url, "SELECT request FROM calls")
+    contents = sorted(
+        (json.loads(r["request"]) if isinstance(r["request"], str) else r["request"])["messages"][-1][
+            "content"
+        ]
+        for r in asked
+    )
+    assert contents == sorted(SCENARIOS * 2)
+    # the scripted upstream echoes the question: "echo: Name a color." has 19 characters, so 0.0 for all
+    rewards = query(database_url, "SELECT source, value FROM rewards")
+    assert [(r["source"], r["value"]) for r in rewards] == [("function", 0.0)] * 6
+
+
+def test_bootstrap_refuses_what_it_cannot_do(
+    make_gateway: Callable[..., GatewayServer], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'refusals.db'}"
+    gw = make_gateway(url, admin_key=ADMIN_KEY)
+    make_policy(url, "no-holdout", {"gate": {"holdout_fraction": 0.0}})
+    common = [
+        "--task=t",
+        f"--gateway-url={gw.url}/v1",
+        "--writer-model=m",
+        "--writer-api-base=http://127.0.0.1:9/v1",
+    ]
+    without_key = kaizen("bootstrap", "--policy=no-holdout", *common, admin_key="")
+    assert without_key.returncode == 2 and "KAIZEN_ADMIN_KEY" in without_key.stderr
+    no_holdout = kaizen("bootstrap", "--policy=no-holdout", *common)
+    assert no_holdout.returncode == 2 and "holdout_fraction" in no_holdout.stderr
+    unknown = kaizen("bootstrap", "--policy=nope", *common)
+    assert unknown.returncode == 1 and "no policy named 'nope'" in unknown.stderr
+    assert query(url, "SELECT count(*) AS n FROM calls")[0]["n"] == 0
+
+
+def test_group_keys_put_exactly_the_eval_scenarios_into_the_gates_held_out_share() -> None:
+    keys = group_keys("bootstrap-ab12cd34", 12, 3, 0.1)
+    assert [is_held_out(k, 0.1) for k in keys] == [True] * 3 + [False] * 9
+    assert len(set(keys)) == 12
+
+
+def test_auto_mode_uses_grpo_with_signal_and_a_warm_start_when_rewards_are_sparse() -> None:
+    assert choose_mode("auto", [[0, 1], [1, 0], [0, 0]], 0.8) == "grpo"
+    assert choose_mode("auto", [[0, 0], [0, 0], [1, 0]], 0.8) == "warm_start"
+    assert choose_mode("auto", [[0.3, 0.3], [0.2, 0.5], [0.1, 0.1]], 0.8) == "grpo"
+    assert choose_mode("auto", [[0, 0], [0.5, 0.5]], 0.8) is None
+    assert choose_mode("sft", [[0, 0]], 0.8) == "sft"
