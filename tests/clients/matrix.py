@@ -450,8 +450,11 @@ def _run_agent(target: Target, *, chained: bool = False) -> int:
         instructions="Answer weather questions with the get_weather tool.",
         model=model,
         tools=[get_weather],
+        # Forced, one call: `required` alone lets vLLM's structured outputs generate several (up to the limit).
         model_settings=ModelSettings(
-            max_tokens=MAX_TOKENS, tool_choice="required" if target.forced else None
+            max_tokens=MAX_TOKENS,
+            tool_choice="required" if target.forced else None,
+            parallel_tool_calls=False if target.forced else None,
         ),
         tool_use_behavior="stop_on_first_tool" if target.forced else "run_llm_again",
     )
@@ -464,7 +467,7 @@ def _run_agent(target: Target, *, chained: bool = False) -> int:
     )
     assert result.final_output
     calls = [item for item in result.new_items if item.type == "tool_call_item"]
-    assert len(calls) == 1
+    assert len(calls) == 1, [r.output for r in result.raw_responses]  # what the model answered
     made = 1 if target.forced else 2
     assert len(result.raw_responses) == made
     if chained:
