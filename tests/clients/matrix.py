@@ -335,7 +335,9 @@ def ai_sdk_generate_object(target: Target) -> int:
 
 
 # ----------------------------------------------------------------------------- LangChain
-def _chat_model(target: Target) -> Any:
+def _chat_model(target: Target, **options: Any) -> Any:
+    """`ChatOpenAI` speaking the case's API: `use_responses_api` for "responses" (as it turns on by itself for
+    OpenAI's newer models and Responses-only options)."""
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
@@ -344,6 +346,8 @@ def _chat_model(target: Target) -> Any:
         api_key="sk-matrix",
         max_retries=0,
         max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        use_responses_api=target.api == "responses",
+        **options,
     )
 
 
@@ -359,22 +363,25 @@ def _get_weather_tool() -> Any:
 
 
 def langchain_invoke(target: Target) -> int:
-    assert _chat_model(target).invoke(QUESTION).content
+    assert _chat_model(target).invoke(QUESTION).text
     return 1
 
 
 def langchain_stream(target: Target) -> int:
-    text = "".join(str(chunk.content) for chunk in _chat_model(target).stream(QUESTION))
-    assert text
+    """The chunks' text adds up (on the Responses API their content is a list of text blocks)."""
+    chunks = list(_chat_model(target).stream(QUESTION))
+    text = "".join(chunk.text for chunk in chunks)
+    assert text and text == sum(chunks[1:], chunks[0]).text
     return 1
 
 
-def langchain_tool_loop(target: Target) -> int:
-    """`bind_tools`: the model calls the tool, the app runs it and sends the result back."""
+def langchain_tool_loop(target: Target, **options: Any) -> int:
+    """`bind_tools`: the model calls the tool, the app runs it and sends the result back (on the Responses API,
+    the whole conversation, unless `use_previous_response_id` sends only what follows the last reply)."""
     from langchain_core.messages import HumanMessage, ToolMessage
 
     weather = _get_weather_tool()
-    model = _chat_model(target)
+    model = _chat_model(target, **options)
     first_model = model.bind_tools([weather], tool_choice="get_weather" if target.forced else None)
     messages: list[Any] = [HumanMessage(target.ask(QUESTION, "#tool"))]
     reply = first_model.invoke(messages)
@@ -382,8 +389,14 @@ def langchain_tool_loop(target: Target) -> int:
     _check_weather_call(call["name"], call["args"])
     messages += [reply, ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])]
     final = model.bind_tools([weather], tool_choice="none" if target.forced else None).invoke(messages)
-    assert final.content and not final.tool_calls
+    assert final.text and not final.tool_calls
+    if options.get("use_previous_response_id"):
+        assert target.openai().responses.retrieve(final.id).previous_response_id == reply.id
     return 2
+
+
+def langchain_tool_loop_chained(target: Target) -> int:
+    return langchain_tool_loop(target, use_previous_response_id=True)
 
 
 def _structured(method: str) -> Callable[[Target], int]:
@@ -517,6 +530,24 @@ CASES: list[Case] = [
     Case("ai-sdk", "responses tool loop", ai_sdk_tool_loop, api="responses"),
     Case("ai-sdk", "responses streamText", ai_sdk_stream_text, api="responses"),
     Case("ai-sdk", "responses generateObject", ai_sdk_generate_object, api="responses"),
+    Case("langchain", "responses invoke", langchain_invoke, api="responses"),
+    Case("langchain", "responses stream", langchain_stream, api="responses"),
+    Case(
+        "langchain", "responses bind_tools loop, whole input sent back", langchain_tool_loop, api="responses"
+    ),
+    Case(
+        "langchain",
+        "responses bind_tools loop, use_previous_response_id",
+        langchain_tool_loop_chained,
+        api="responses",
+    ),
+    Case(
+        "langchain", "responses structured function_calling", _structured("function_calling"), api="responses"
+    ),
+    Case("langchain", "responses structured json_schema", _structured("json_schema"), api="responses"),
+    Case(
+        "langchain", "responses structured json_mode", _structured("json_mode"), vllm=False, api="responses"
+    ),
     Case("openai-agents", "responses one-tool agent", agents_one_tool, api="responses"),
     # Chaining needs a second model turn after the tool; on vLLM the forced run ends on the tool's output.
     Case(
