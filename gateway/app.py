@@ -46,8 +46,8 @@ from gateway.metrics import GatewayMetrics, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
-from gateway.responses import ResponsesService
-from gateway.responses_store import ResponseStore
+from gateway.responses.service import ResponsesService
+from gateway.responses.store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
@@ -207,7 +207,10 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
     responses = ResponsesService(
         chat,
         ResponseStore(
-            database, cache_size=settings.responses_cache_size, read_wait_s=settings.responses_read_wait_s
+            database,
+            cache_size=settings.responses_cache_size,
+            read_wait_s=settings.responses_read_wait_s,
+            recheck_s=settings.responses_recheck_s,
         ),
     )
     relay = RelayService(

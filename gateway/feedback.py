@@ -34,7 +34,7 @@ from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
 from gateway.redaction import Redactor
-from gateway.responses_store import RESPONSE_ID
+from gateway.responses.store import RESPONSE_ID
 from gateway.signing import Signature, SignatureError, verify
 from storage.calls import find_call
 from storage.database import Database

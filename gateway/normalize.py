@@ -171,6 +171,7 @@ def normalize_completion(
                 "message": {
                     "role": "assistant",
                     "content": reply.content,
+                    **({"refusal": reply.refusal} if reply.refusal is not None else {}),
                     **({"tool_calls": [_tool_call_dict(c) for c in tool_calls]} if tool_calls else {}),
                 },
                 "finish_reason": finish,
@@ -217,6 +218,7 @@ def _usage_dict(usage: Usage | None) -> dict[str, Any] | None:
 @dataclass
 class _ChoiceState:
     content: list[str] = field(default_factory=list)
+    refusal: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -270,8 +272,10 @@ class StreamAssembler:
         if isinstance(content, str):
             delta.content = content
             state.content.append(content)
-        if isinstance(raw_delta.get("refusal"), str):
-            delta.refusal = raw_delta["refusal"]
+        refusal = raw_delta.get("refusal")
+        if isinstance(refusal, str):
+            delta.refusal = refusal
+            state.refusal.append(refusal)
         chunks = self._tool_call_chunks(state, raw_delta.get("tool_calls"))
         if chunks:
             delta.tool_calls = chunks
@@ -317,7 +321,7 @@ class StreamAssembler:
 
     @property
     def output_seen(self) -> bool:
-        return any(s.content or s.tool_calls for s in self.choices.values())
+        return any(s.content or s.refusal or s.tool_calls for s in self.choices.values())
 
     def captured(self) -> Captured:
         """The reply as assembled so far (complete after the last chunk, partial after a disconnect)."""
@@ -325,6 +329,8 @@ class StreamAssembler:
         for index in sorted(self.choices):
             state = self.choices[index]
             message: dict[str, Any] = {"role": "assistant", "content": "".join(state.content) or None}
+            if state.refusal:
+                message["refusal"] = "".join(state.refusal)
             if state.tool_calls:
                 message["tool_calls"] = [
                     {

@@ -440,7 +440,7 @@ class ErrorResponse(Struct):
 
 # ----------------------------------------------------------------------------- Responses API: request
 # `CreateResponse` and the parts of it the gateway translates into a chat completion. Input items are told
-# apart by hand (`gateway.responses_input`): the spec lets a message and an item reference leave out `type`.
+# apart by hand (`gateway.responses.request`): the spec lets a message and an item reference leave out `type`.
 
 
 class InputTextPart(Struct, tag_field="type", tag="input_text"):
@@ -804,7 +804,7 @@ class ResponseContentPartAddedEvent(Struct, tag_field="type", tag="response.cont
     item_id: str
     output_index: int
     content_index: int
-    part: ResponseOutputText
+    part: ResponseOutputText | ResponseRefusal
     sequence_number: int
 
 
@@ -813,7 +813,7 @@ class ResponseContentPartDoneEvent(Struct, tag_field="type", tag="response.conte
     output_index: int
     content_index: int
     sequence_number: int
-    part: ResponseOutputText
+    part: ResponseOutputText | ResponseRefusal
 
 
 class ResponseTextDeltaEvent(Struct, tag_field="type", tag="response.output_text.delta"):
@@ -832,6 +832,22 @@ class ResponseTextDoneEvent(Struct, tag_field="type", tag="response.output_text.
     text: str
     sequence_number: int
     logprobs: list[ResponseLogProb]
+
+
+class ResponseRefusalDeltaEvent(Struct, tag_field="type", tag="response.refusal.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    sequence_number: int
+
+
+class ResponseRefusalDoneEvent(Struct, tag_field="type", tag="response.refusal.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    refusal: str
+    sequence_number: int
 
 
 class ResponseFunctionCallArgumentsDeltaEvent(
@@ -865,6 +881,8 @@ ResponseStreamEvent = (
     | ResponseContentPartDoneEvent
     | ResponseTextDeltaEvent
     | ResponseTextDoneEvent
+    | ResponseRefusalDeltaEvent
+    | ResponseRefusalDoneEvent
     | ResponseFunctionCallArgumentsDeltaEvent
     | ResponseFunctionCallArgumentsDoneEvent
 )

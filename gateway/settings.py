@@ -212,6 +212,13 @@ class Settings(BaseSettings):
         description="How long a read of a stored response that SQL does not hold yet (created a moment ago on "
         "another replica, still in its capture queue) retries before answering 404.",
     )
+    responses_recheck_s: float = Field(
+        2.0,
+        ge=0,
+        description="How old a stored response held in a replica's memory may be before a `GET` of it (or of "
+        "its input items) checks SQL that it was not deleted on another replica; 0 checks on every read. "
+        "Creates that continue a chain do not check.",
+    )
 
     # --- relayed routes
     capture_embeddings: bool = Field(

@@ -66,6 +66,8 @@ def genai_message(message: Mapping[str, Any], finish_reason: str | None = None) 
         parts = [{"type": "tool_call_response", "id": message.get("tool_call_id"), "response": response}]
     else:
         parts = _parts(message.get("content"))
+        if isinstance(message.get("refusal"), str):  # an engine's refusal is the reply's text
+            parts.append({"type": "text", "content": message["refusal"]})
         for call in message.get("tool_calls") or []:
             function = call.get("function") or {}
             parts.append(

@@ -53,6 +53,21 @@ async def get_response(session: AsyncSession, response_id: str) -> StoredRespons
     return StoredResponseInfo(body, input_items, episode_id, project, request.get("messages") or [], reply)
 
 
+_STORED = (
+    select(StoredResponse.id)
+    .select_from(Call)
+    .outerjoin(StoredResponse, StoredResponse.call_id == Call.id)
+    .where(Call.id == bindparam("call_id"))
+)
+
+
+async def response_stored(session: AsyncSession, call_id: str) -> bool | None:
+    """Whether the response of this call is stored: None when the call itself is not in SQL (not written yet,
+    or removed by retention), False when the call is but its response is not (deleted)."""
+    row = (await session.execute(_STORED, {"call_id": call_id})).first()
+    return None if row is None else row[0] is not None
+
+
 async def delete_response(session: AsyncSession, response_id: str) -> bool:
     """Delete a stored response (its call stays captured); False when none was stored. The caller commits."""
     result = await session.execute(delete(StoredResponse).where(StoredResponse.id == response_id))

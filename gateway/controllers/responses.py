@@ -15,8 +15,8 @@ from gateway.controllers.params import PathName
 from gateway.errors import APIError, NotFound
 from gateway.protocol import ResponseDeleted, ResponseItemList
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
-from gateway.responses import ResponsesService
-from gateway.responses_store import KnownResponse
+from gateway.responses.service import ResponsesService
+from gateway.responses.store import KnownResponse
 
 ItemLimit = Annotated[int, Parameter(ge=1, le=100)]
 ItemId = Annotated[str, Parameter(max_length=256)]
@@ -57,7 +57,7 @@ class ResponsesController(Controller):
     async def _find(
         self, request: Request[Any, Any, Any], responses: ResponsesService, response_id: str
     ) -> KnownResponse:
-        found = await responses.store.find(response_id, principal_of(request))
+        found = await responses.store.read(response_id, principal_of(request))
         if found is None:
             raise _not_found(response_id)
         return found

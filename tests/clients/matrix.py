@@ -1,11 +1,13 @@
 """The client matrix: the SDKs apps call the gateway with, one case per thing an app does with each.
 
 A case runs a client against a `Target` (the gateway in front of the scripted upstream, or of vLLM with the
-embedded model) and returns how many model calls it made; the test then checks what was captured. Cases that
-need the model to choose a tool on its own run on the scripted upstream only: the embedded 135M model does not
-pick tools under `auto`, so on vLLM the same loops force the first call (`vllm_variant`).
+embedded model) and returns how many model calls it made; the test then checks what was captured. Tool loops
+leave the choice to the model (`auto`) on the scripted upstream; the embedded 135M model does not pick tools
+under `auto`, so on vLLM the same loops force the first call (`Target.forced`).
 
-Adding a client or a case is one entry in `CASES` (Responses-API cases go here too, with `api="responses"`).
+Adding a client or a case is one entry in `CASES`. A case names the API its client speaks (`api`: `chat` for
+chat completions, `responses` for the Responses API); the target it runs against carries it, so a client that
+speaks both (the AI SDK, the Agents SDK) runs the same case code on either.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ WEATHER_TOOL = {
         "parameters": WEATHER_SCHEMA,
     },
 }
+RESPONSES_WEATHER_TOOL = {  # the same tool in the Responses API's flat shape
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": WEATHER_SCHEMA,
+    "strict": True,
+}
 QUESTION = "What is the weather in Paris?"
 # Budgets that keep the CPU engine quick; the scripted upstream ignores them.
 MAX_TOKENS = 48
@@ -50,6 +59,7 @@ class Target:
     engine: str  # "scripted" or "vllm"
     base_url: str  # ends in /v1
     model: str
+    api: str = "chat"  # the API of the case being run: "chat" or "responses"
 
     @property
     def forced(self) -> bool:
@@ -171,6 +181,64 @@ def openai_parse(target: Target) -> int:
     return 1
 
 
+# ----------------------------------------------------------------------------- openai-python, client.responses
+def responses_create(target: Target) -> int:
+    reply = target.openai().responses.create(
+        model=target.model, instructions="Answer briefly.", input=QUESTION, max_output_tokens=MAX_TOKENS
+    )
+    assert reply.output_text and reply.status in {"completed", "incomplete"}
+    return 1
+
+
+def responses_stream(target: Target) -> int:
+    """The SDK's stream helper: the text deltas add up to the response of the last event. That event is
+    `response.incomplete` when the reply reaches `max_output_tokens` (the helper's `get_final_response` only
+    takes `response.completed`, with OpenAI as here)."""
+    deltas: list[str] = []
+    final = None
+    with target.openai().responses.stream(
+        model=target.model, input=QUESTION, max_output_tokens=MAX_TOKENS
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    assert final is not None and deltas and "".join(deltas) == final.output_text
+    assert final.usage is not None and final.usage.output_tokens > 0
+    return 1
+
+
+def responses_tool_loop(target: Target) -> int:
+    """A function call, then its output sent as the next response of the chain (`previous_response_id`)."""
+    client = target.openai()
+    first = client.responses.create(
+        model=target.model,
+        input=target.ask(QUESTION, "#tool"),
+        tools=[RESPONSES_WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"} if target.forced else "auto",
+        max_output_tokens=MAX_TOKENS,
+    )
+    [call] = [item for item in first.output if item.type == "function_call"]
+    _check_weather_call(call.name, call.arguments)
+    second = client.responses.create(
+        model=target.model,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}],
+        max_output_tokens=MAX_TOKENS,
+    )
+    assert second.output_text and second.previous_response_id == first.id
+    return 2
+
+
+def responses_parse(target: Target) -> int:
+    reply = target.openai().responses.parse(
+        model=target.model, input=QUESTION, text_format=Weather, max_output_tokens=MAX_TOKENS
+    )
+    assert isinstance(reply.output_parsed, Weather)
+    return 1
+
+
 # ----------------------------------------------------------------------------- openai-node and the AI SDK
 def node(case: str, target: Target, **env: str) -> Any:
     """Run one case of tests/clients/node/cases.mjs; its JSON result."""
@@ -180,7 +248,7 @@ def node(case: str, target: Target, **env: str) -> Any:
         text=True,
         timeout=300,
         cwd=NODE_DIR,
-        env={**os.environ, **env},
+        env={**os.environ, "MATRIX_API": target.api, **env},
         check=False,
     )
     assert done.returncode == 0, f"{case} failed:\n{done.stderr[-3000:]}"
@@ -198,6 +266,30 @@ def node_tools(target: Target) -> int:
     [call] = result["calls"]
     _check_weather_call(call["name"], call["arguments"])
     assert result["text"]
+    return 2
+
+
+def node_responses_stream(target: Target) -> int:
+    result = node("openai-node responses stream", target)
+    assert result["text"] and result["text"] == result["outputText"]
+    assert result["status"] in {"completed", "incomplete"} and result["outputTokens"] > 0
+    return 1
+
+
+def node_tool_loop(case: str, target: Target) -> Any:
+    """A Node tool loop (its first call chosen under `auto`, or forced where the model would not choose it):
+    one call of the weather tool, then a text answer."""
+    result = node(
+        case, target, MATRIX_PROMPT=target.ask(QUESTION, "#tool"), MATRIX_FORCED="1" if target.forced else "0"
+    )
+    [call] = result["calls"]
+    _check_weather_call(call["name"], call["arguments"])
+    assert result["text"]
+    return result
+
+
+def node_responses_tool(target: Target) -> int:
+    node_tool_loop("openai-node responses tool", target)
     return 2
 
 
@@ -219,17 +311,14 @@ def node_errors(target: Target) -> int:
 
 
 def ai_sdk_tool_loop(target: Target) -> int:
-    result = node(
-        "ai-sdk tool loop",
-        target,
-        MATRIX_PROMPT=target.ask(QUESTION, "#tool"),
-        MATRIX_FORCED="1" if target.forced else "0",
-    )
-    assert result["steps"] == 2
-    [call] = result["calls"]
-    _check_weather_call(call["name"], call["arguments"])
-    assert result["text"]
+    assert node_tool_loop("ai-sdk tool loop", target)["steps"] == 2
     return 2
+
+
+def ai_sdk_stream_text(target: Target) -> int:
+    result = node("ai-sdk streamText", target)
+    assert result["text"] and result["finish"] in {"stop", "length"} and result["outputTokens"] > 0
+    return 1
 
 
 def ai_sdk_generate_object(target: Target) -> int:
@@ -246,7 +335,9 @@ def ai_sdk_generate_object(target: Target) -> int:
 
 
 # ----------------------------------------------------------------------------- LangChain
-def _chat_model(target: Target) -> Any:
+def _chat_model(target: Target, **options: Any) -> Any:
+    """`ChatOpenAI` speaking the case's API: `use_responses_api` for "responses" (as it turns on by itself for
+    OpenAI's newer models and Responses-only options)."""
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
@@ -255,6 +346,8 @@ def _chat_model(target: Target) -> Any:
         api_key="sk-matrix",
         max_retries=0,
         max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        use_responses_api=target.api == "responses",
+        **options,
     )
 
 
@@ -270,22 +363,25 @@ def _get_weather_tool() -> Any:
 
 
 def langchain_invoke(target: Target) -> int:
-    assert _chat_model(target).invoke(QUESTION).content
+    assert _chat_model(target).invoke(QUESTION).text
     return 1
 
 
 def langchain_stream(target: Target) -> int:
-    text = "".join(str(chunk.content) for chunk in _chat_model(target).stream(QUESTION))
-    assert text
+    """The chunks' text adds up (on the Responses API their content is a list of text blocks)."""
+    chunks = list(_chat_model(target).stream(QUESTION))
+    text = "".join(chunk.text for chunk in chunks)
+    assert text and text == sum(chunks[1:], chunks[0]).text
     return 1
 
 
-def langchain_tool_loop(target: Target) -> int:
-    """`bind_tools`: the model calls the tool, the app runs it and sends the result back."""
+def langchain_tool_loop(target: Target, **options: Any) -> int:
+    """`bind_tools`: the model calls the tool, the app runs it and sends the result back (on the Responses API,
+    the whole conversation, unless `use_previous_response_id` sends only what follows the last reply)."""
     from langchain_core.messages import HumanMessage, ToolMessage
 
     weather = _get_weather_tool()
-    model = _chat_model(target)
+    model = _chat_model(target, **options)
     first_model = model.bind_tools([weather], tool_choice="get_weather" if target.forced else None)
     messages: list[Any] = [HumanMessage(target.ask(QUESTION, "#tool"))]
     reply = first_model.invoke(messages)
@@ -293,8 +389,14 @@ def langchain_tool_loop(target: Target) -> int:
     _check_weather_call(call["name"], call["args"])
     messages += [reply, ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])]
     final = model.bind_tools([weather], tool_choice="none" if target.forced else None).invoke(messages)
-    assert final.content and not final.tool_calls
+    assert final.text and not final.tool_calls
+    if options.get("use_previous_response_id"):
+        assert target.openai().responses.retrieve(final.id).previous_response_id == reply.id
     return 2
+
+
+def langchain_tool_loop_chained(target: Target) -> int:
+    return langchain_tool_loop(target, use_previous_response_id=True)
 
 
 def _structured(method: str) -> Callable[[Target], int]:
@@ -324,13 +426,19 @@ def litellm_completion(target: Target) -> int:
     return 1
 
 
-def agents_one_tool(target: Target) -> int:
-    """An agent with one tool on `OpenAIChatCompletionsModel`: the tool call and the answer after it are one
-    run. On vLLM the call is forced and the run ends on the tool's output (the model would not pick it)."""
+def _run_agent(target: Target, *, chained: bool = False) -> int:
+    """An agent with one tool: the tool call and the answer after it are one run. With `target.api` "chat" the
+    agent's model is `OpenAIChatCompletionsModel`; with "responses" it is the SDK's default (its OpenAI provider
+    serves every model through the Responses API). `chained`: the runner continues each turn by
+    `previous_response_id` (`auto_previous_response_id`) instead of sending the whole input back.
+
+    On vLLM the call is forced and the run ends on the tool's output (the model would not pick it)."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIProvider,
+        RunConfig,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -343,21 +451,51 @@ def agents_one_tool(target: Target) -> int:
         """Current weather in a city."""
         return f"sunny in {city}"
 
+    model: Any
+    if target.api == "chat":
+        model = OpenAIChatCompletionsModel(model=target.model, openai_client=target.async_openai())
+        config = RunConfig()
+    else:  # a model by name, from the SDK's default provider: OpenAI's, which serves it by the Responses API
+        model = target.model
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=target.async_openai()))
     agent = Agent(
         name="weather",
         instructions="Answer weather questions with the get_weather tool.",
-        model=OpenAIChatCompletionsModel(model=target.model, openai_client=target.async_openai()),
+        model=model,
         tools=[get_weather],
+        # Forced, one call: `required` alone lets vLLM's structured outputs generate several (up to the limit).
         model_settings=ModelSettings(
-            max_tokens=MAX_TOKENS, tool_choice="required" if target.forced else None
+            max_tokens=MAX_TOKENS,
+            tool_choice="required" if target.forced else None,
+            parallel_tool_calls=False if target.forced else None,
         ),
         tool_use_behavior="stop_on_first_tool" if target.forced else "run_llm_again",
     )
-    result = Runner.run_sync(agent, target.ask(QUESTION, "#tool"), max_turns=4)
+    result = Runner.run_sync(
+        agent,
+        target.ask(QUESTION, "#tool"),
+        max_turns=4,
+        run_config=config,
+        auto_previous_response_id=chained,
+    )
     assert result.final_output
     calls = [item for item in result.new_items if item.type == "tool_call_item"]
-    assert len(calls) == 1
-    return 1 if target.forced else 2
+    assert len(calls) == 1, [r.output for r in result.raw_responses]  # what the model answered
+    made = 1 if target.forced else 2
+    assert len(result.raw_responses) == made
+    if chained:
+        first, second = (r.response_id for r in result.raw_responses)
+        assert first is not None and second is not None
+        assert target.openai().responses.retrieve(second).previous_response_id == first
+    return made
+
+
+def agents_one_tool(target: Target) -> int:
+    return _run_agent(target)
+
+
+def agents_chained(target: Target) -> int:
+    return _run_agent(target, chained=True)
 
 
 CASES: list[Case] = [
@@ -380,4 +518,43 @@ CASES: list[Case] = [
     Case("ai-sdk", "chat tool loop", ai_sdk_tool_loop),
     Case("ai-sdk", "chat generateObject", ai_sdk_generate_object),
     Case("openai-agents", "chat-completions one-tool agent", agents_one_tool),
+    # The Responses API (`/v1/responses`).
+    Case("openai-python", "responses create", responses_create, api="responses"),
+    Case("openai-python", "responses stream", responses_stream, api="responses"),
+    Case(
+        "openai-python", "responses tool loop by previous_response_id", responses_tool_loop, api="responses"
+    ),
+    Case("openai-python", "responses parse", responses_parse, api="responses"),
+    Case("openai-node", "responses stream", node_responses_stream, api="responses"),
+    Case("openai-node", "responses tool loop, whole input sent back", node_responses_tool, api="responses"),
+    Case("ai-sdk", "responses tool loop", ai_sdk_tool_loop, api="responses"),
+    Case("ai-sdk", "responses streamText", ai_sdk_stream_text, api="responses"),
+    Case("ai-sdk", "responses generateObject", ai_sdk_generate_object, api="responses"),
+    Case("langchain", "responses invoke", langchain_invoke, api="responses"),
+    Case("langchain", "responses stream", langchain_stream, api="responses"),
+    Case(
+        "langchain", "responses bind_tools loop, whole input sent back", langchain_tool_loop, api="responses"
+    ),
+    Case(
+        "langchain",
+        "responses bind_tools loop, use_previous_response_id",
+        langchain_tool_loop_chained,
+        api="responses",
+    ),
+    Case(
+        "langchain", "responses structured function_calling", _structured("function_calling"), api="responses"
+    ),
+    Case("langchain", "responses structured json_schema", _structured("json_schema"), api="responses"),
+    Case(
+        "langchain", "responses structured json_mode", _structured("json_mode"), vllm=False, api="responses"
+    ),
+    Case("openai-agents", "responses one-tool agent", agents_one_tool, api="responses"),
+    # Chaining needs a second model turn after the tool; on vLLM the forced run ends on the tool's output.
+    Case(
+        "openai-agents",
+        "responses agent, auto_previous_response_id",
+        agents_chained,
+        vllm=False,
+        api="responses",
+    ),
 ]

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
-from tests.support.scripted_upstream import ScriptedUpstream, text_token_ids
+from tests.support.scripted_upstream import REFUSAL, ScriptedUpstream, text_token_ids
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -133,6 +133,18 @@ def test_stream_without_usage_request_hides_usage(make_gateway: MakeGateway, dat
     assert all(c.usage is None for c in chunks)
     [row] = calls(gw, database_url)
     assert row["usage"]["completion_tokens"] == 2  # the gateway still captured it
+
+
+def test_a_refusal_reaches_the_client_and_the_capture(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "#refuse"}]
+    reply = client(gw).chat.completions.create(model="scripted-1", messages=messages)
+    assert (reply.choices[0].message.content, reply.choices[0].message.refusal) == (None, REFUSAL)
+    chunks = client(gw).chat.completions.create(model="scripted-1", messages=messages, stream=True)
+    assert "".join(c.choices[0].delta.refusal or "" for c in chunks if c.choices) == REFUSAL
+    assert [row["response"]["choices"][0]["message"] for row in calls(gw, database_url)] == [  # type: ignore[index]
+        {"role": "assistant", "content": None, "refusal": REFUSAL}
+    ] * 2
 
 
 def test_n_choices(make_gateway: MakeGateway, database_url: str) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import httpx
+from markupsafe import escape
 from openai import OpenAI
 
 from gateway.dashboard.pages import encode_cursor
@@ -16,6 +17,7 @@ from tests.conftest import query
 from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_unusual_run
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
+from tests.support.scripted_upstream import REFUSAL
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = "adm-dashboard-secret"
@@ -218,6 +220,17 @@ def test_runs_of_unknown_shapes_render_their_metrics_generically(
         answer = browser.get(listing)
         assert answer.status_code == 200, (listing, answer.text)
         assert f'href="/dashboard/runs/{run_id}"' in answer.text
+
+
+def test_an_episode_shows_a_refused_reply(make_gateway: MakeGateway, database_url: str) -> None:
+    """A refusal is the reply a labeller judges: the episode page shows it, marked as a refusal."""
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    refused = _chat(gw, "#refuse")
+    gw.flush()
+    page = login(gw.url, ADMIN).get(f"/dashboard/episodes/{refused}")
+    assert page.status_code == 200
+    shown = re.search(r'<pre class="content refusal">(.*?)</pre>', page.text, re.S)
+    assert shown is not None and str(escape(REFUSAL)) in shown.group(1)
 
 
 def test_episode_filters_and_keyset_pages(make_gateway: MakeGateway, database_url: str) -> None:

@@ -77,3 +77,34 @@ def test_bad_source_and_group_key_headers_are_refused_and_nothing_is_written(
     assert answers == [(status, code) for _, _, status, code in BAD]
     gw.flush()
     assert query(database_url, "SELECT count(*) AS n FROM calls")[0]["n"] == 0
+
+
+def test_the_headers_apply_to_responses_calls_too(
+    make_gateway: Callable[..., GatewayServer], database_url: str
+) -> None:
+    """Agent frameworks on the Responses API set them the same way; a refused header writes nothing there
+    either (no call, no stored response)."""
+    gw = make_gateway(database_url, api_keys=[API_KEY], admin_key=ADMIN_KEY)
+    admin = openai.OpenAI(base_url=gw.url + "/v1", api_key=ADMIN_KEY, max_retries=0)
+    tagged = admin.responses.with_raw_response.create(
+        model="scripted-1",
+        input="hello",
+        extra_headers={"X-Kaizen-Source": "bootstrap", "X-Kaizen-Group-Key": "scenario-2"},
+    )
+    refused = httpx.post(
+        gw.url + "/v1/responses",
+        json={"model": "scripted-1", "input": "hello"},
+        headers={"authorization": f"Bearer {API_KEY}", "X-Kaizen-Source": "bootstrap"},
+        timeout=10,
+    )
+    assert (refused.status_code, refused.json()["error"]["code"]) == (403, "source_not_allowed")
+    gw.flush()
+    [episode] = query(database_url, "SELECT id, source, group_key FROM episodes")
+    assert (episode["id"], episode["source"], episode["group_key"]) == (
+        tagged.headers["x-episode-id"],
+        "bootstrap",
+        "scenario-2",
+    )
+    [call] = query(database_url, "SELECT id, group_key FROM calls")
+    assert (call["id"], call["group_key"]) == (tagged.headers["x-request-id"], "scenario-2")
+    assert [r["id"] for r in query(database_url, "SELECT id FROM responses")] == [tagged.parse().id]

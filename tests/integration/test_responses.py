@@ -25,7 +25,7 @@ from tests.integration.test_feedback import add_policy
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.polling import wait_until
-from tests.support.scripted_upstream import ScriptedUpstream, text_token_ids
+from tests.support.scripted_upstream import REFUSAL, ScriptedUpstream, text_token_ids
 
 MakeGateway = Callable[..., GatewayServer]
 JSON_COLUMNS = ("request", "response", "completion_token_ids", "completion_logprobs", "body", "input_items")
@@ -368,6 +368,46 @@ def test_structured_output(make_gateway: MakeGateway, database_url: str, upstrea
     assert upstream.requests[-1].body["response_format"] == {"type": "json_object"}
 
 
+def test_a_refusal_is_relayed_streamed_or_not_and_kept(make_gateway: MakeGateway, database_url: str) -> None:
+    gw = make_gateway(database_url)
+    created = sdk(gw).responses.create(model="scripted-1", input="#refuse the secret")
+    [message] = created.output
+    assert message.type == "message"
+    assert [(p.type, getattr(p, "refusal", None)) for p in message.content] == [("refusal", REFUSAL)]
+
+    streamed = stream(gw, {"model": "scripted-1", "input": "#refuse the secret", "stream": True})
+    kinds = [e["type"] for e in streamed]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.refusal.delta"] * len(REFUSAL.split()),
+        "response.refusal.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert streamed[3]["part"] == {"type": "refusal", "refusal": ""}
+    deltas = [e for e in streamed if e["type"] == "response.refusal.delta"]
+    assert "".join(e["delta"] for e in deltas) == REFUSAL
+    assert {(e["item_id"], e["output_index"], e["content_index"]) for e in deltas} == {
+        (streamed[2]["item"]["id"], 0, 0)
+    }
+    assert streamed[-4]["refusal"] == REFUSAL
+    assert streamed[-3]["part"] == {"type": "refusal", "refusal": REFUSAL}
+    final = streamed[-1]["response"]
+    assert final["output"][0]["content"] == [{"type": "refusal", "refusal": REFUSAL}]
+
+    # Both are stored as they were answered, and both calls keep the refusal as the assistant's reply.
+    for response_id in (created.id, final["id"]):
+        [kept] = sdk(gw).responses.retrieve(response_id).output
+        assert kept.model_dump()["content"] == [{"type": "refusal", "refusal": REFUSAL}]
+    assert [r["response"]["choices"][0]["message"] for r in calls(gw, database_url)] == [
+        {"role": "assistant", "content": None, "refusal": REFUSAL}
+    ] * 2
+
+
 def test_tool_choice_logprobs_and_what_agents_send(
     make_gateway: MakeGateway, database_url: str, upstream: ScriptedUpstream
 ) -> None:
@@ -499,6 +539,53 @@ def test_stored_responses_get_input_items_and_delete(make_gateway: MakeGateway, 
     assert len(calls(gw, database_url)) == 3
 
 
+def _item(item: dict[str, Any]) -> tuple[Any, ...]:
+    if item["type"] == "message":
+        return item["id"], item["role"], item["content"][0]["text"]
+    return item["id"], item["type"], item["call_id"]
+
+
+def test_input_items_list_the_whole_chain(make_gateway: MakeGateway, database_url: str) -> None:
+    """As OpenAI lists them: the items a response was generated from, those of the responses it continues
+    (their input and their output) included, oldest first with `order=asc`; instructions are not items."""
+    gw = make_gateway(database_url)
+    client = sdk(gw)
+    first = client.responses.create(
+        model="scripted-1", instructions="Be brief.", input="#tool weather?", tools=[WEATHER]
+    )
+    [call] = first.output
+    assert call.type == "function_call"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = client.responses.create(model="scripted-1", previous_response_id=first.id, input=[output])
+    third = client.responses.create(model="scripted-1", previous_response_id=second.id, input="thanks")
+    [answer] = second.output
+    whole = [
+        (f"in_{first.id[5:]}_0", "user", "#tool weather?"),
+        (call.id, "function_call", call.call_id),
+        (f"in_{second.id[5:]}_0", "function_call_output", call.call_id),
+        (answer.id, "assistant", "echo: sunny"),
+        (f"in_{third.id[5:]}_0", "user", "thanks"),
+    ]
+
+    def listed(gateway: GatewayServer, response_id: str, **params: Any) -> list[tuple[Any, ...]]:
+        page = httpx.get(f"{gateway.url}/v1/responses/{response_id}/input_items", params=params)
+        assert page.status_code == 200, page.text
+        validate("ResponseItemList", page.json())
+        return [_item(i) for i in page.json()["data"]]
+
+    assert listed(gw, third.id, order="asc") == whole
+    assert listed(gw, third.id) == whole[::-1]  # newest first by default
+    assert listed(gw, second.id, order="asc") == whole[:3]
+    assert listed(gw, first.id) == whole[:1]
+    assert [i.id for i in client.responses.input_items.list(third.id, limit=2, after=whole[-2][0]).data] == [
+        whole[2][0],
+        whole[1][0],
+    ]
+    # Another replica reads the same from SQL.
+    gw.flush()
+    assert listed(make_gateway(database_url), third.id, order="asc") == whole
+
+
 def test_a_chain_continues_on_another_replica_and_after_a_restart(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
@@ -530,6 +617,36 @@ def test_a_chain_continues_on_another_replica_and_after_a_restart(
         (first.headers["x-episode-id"], k) for k in range(3)
     ]
     assert {r.headers["x-episode-id"] for r in (first, second, third)} == {first.headers["x-episode-id"]}
+
+
+def test_a_response_deleted_on_another_replica_is_not_read_from_memory(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A replica that holds a response in memory checks SQL on a read once its copy is older than
+    `KAIZEN_RESPONSES_RECHECK_S`: a delete on another replica is seen there within that interval."""
+    first = make_gateway(database_url)
+    second = make_gateway(database_url, responses_recheck_s=0.3)
+    created = sdk(first).responses.create(model="scripted-1", input="one")
+    first.flush()
+    assert sdk(second).responses.retrieve(created.id).output_text == "echo: one"  # now in its memory
+    sdk(first).responses.delete(created.id)
+    wait_until(
+        lambda: httpx.get(f"{second.url}/v1/responses/{created.id}").status_code == 404,
+        "the other replica to see the delete",
+    )
+    listed = httpx.get(f"{second.url}/v1/responses/{created.id}/input_items")
+    assert listed.status_code == 404 and listed.json()["error"]["code"] == "response_not_found"
+    with pytest.raises(openai.BadRequestError, match="previous_response_not_found"):
+        sdk(second).responses.create(model="scripted-1", input="two", previous_response_id=created.id)
+
+    # A check that finds its call not written yet (still queued here) keeps the copy: it is not deleted.
+    slow = make_gateway(database_url, responses_recheck_s=0.0, capture_flush_ms=3_000.0)
+    queued = sdk(slow).responses.create(model="scripted-1", input="queued")
+    assert sdk(slow).responses.retrieve(queued.id).output_text == "echo: queued"
+    assert rows(database_url, "SELECT id FROM calls WHERE id = :id", id=queued.id[5:]) == []
+    slow.flush()
+    assert len(rows(database_url, "SELECT id FROM responses WHERE id = :id", id=queued.id)) == 1
+    assert sdk(slow).responses.retrieve(queued.id).output_text == "echo: queued"
 
 
 def test_item_references_and_no_log(

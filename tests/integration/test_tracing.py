@@ -22,7 +22,7 @@ from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.scripted_upstream import REFUSAL, ScriptedUpstream
 
 MakeGateway = Callable[..., GatewayServer]
 SPAN_KIND_CLIENT = 3
@@ -165,6 +165,28 @@ def test_content_goes_on_spans_only_when_asked_and_redacted_as_stored(
     assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
     assert json.loads(span.attributes["gen_ai.tool.definitions"]) == tools
     assert "jane@example.com" not in json.dumps(span.attributes)
+
+
+def test_a_refusal_goes_on_the_span_as_the_replys_text(
+    make_gateway: MakeGateway, receiver: OtlpReceiver, tmp_path: Path
+) -> None:
+    """An engine's refusal is the reply a trace viewer should show (here of a Responses call, which is
+    captured and traced as the chat call it was translated into)."""
+    gw = make_gateway(
+        f"sqlite:///{tmp_path / 'refusal.db'}",
+        otel_traces=True,
+        otel_endpoint=receiver.url,
+        otel_content=True,
+    )
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    response = client.responses.create(model="scripted-1", input="#refuse")
+    assert [part.type for item in response.output for part in getattr(item, "content", [])] == ["refusal"]
+    assert gw.services.tracer is not None and gw.services.tracer.flush()
+    (span,) = receiver.wait_for(1)
+    assert span.attributes["gen_ai.response.id"] == response.id.replace("resp_", "chatcmpl-")
+    assert json.loads(span.attributes["gen_ai.output.messages"]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": REFUSAL}], "finish_reason": "stop"}
+    ]
 
 
 _SERVE = textwrap.dedent(

@@ -6,6 +6,7 @@ behaviour in the request itself and needs no mocks:
 - no directive: content ``"echo: <last user text>"``, finish_reason ``stop``;
 - ``#tool`` / ``#tools2``: one / two parallel ``get_weather`` tool calls, finish_reason ``tool_calls``;
 - ``#json TEXT``: the content is TEXT (words joined by single spaces), e.g. a JSON object for structured output;
+- ``#refuse``: no content but a ``refusal`` (streamed as refusal deltas), as OpenAI's models refuse;
 - ``#agent N``: an agent loop of N turns: while fewer than N tool results follow the last user message, one
   ``get_weather`` call (a new city each turn); then the content ``"done: <the tool results>"``;
 - ``#long N``: N words (``w0 w1 ...``) so streams have many chunks;
@@ -71,11 +72,12 @@ VOCAB_SIZE: Final = 50_000
 MAX_CHOICES: Final = 16
 MAX_TOP_LOGPROBS: Final = 20
 
-_DIRECTIVE = re.compile(r"#(tools2|tool|agent|long|slow|error|garbage|hang)\b(?:\s+(\d+))?")
+_DIRECTIVE = re.compile(r"#(tools2|tool|agent|long|slow|error|garbage|hang|refuse)\b(?:\s+(\d+))?")
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE: Final = b"data: [DONE]\n\n"
 _TOOL_ARGUMENTS: Final = ('{"city": "Paris"}', '{"city": "London"}')
+REFUSAL: Final = "I can't help with that."
 _AGENT_CITIES: Final = ("Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo")
 
 _encode = msgspec.json.Encoder().encode
@@ -110,6 +112,7 @@ class Script:
     garbage: bool = False
     hang: bool = False
     json_text: str | None = None
+    refuse: bool = False
     agent_turns: int = 0
 
 
@@ -117,7 +120,7 @@ class Script:
 def parse_script(text: str) -> Script:
     """Read the directives out of a user message; cached because benchmarks repeat one message."""
     tool_calls, long_words, slow_ms, error_status, agent_turns = 0, None, 0, None, 0
-    garbage = hang = False
+    garbage = hang = refuse = False
     for name, arg in _DIRECTIVE.findall(text):
         number = int(arg) if arg else None
         if name == "tool":
@@ -134,6 +137,8 @@ def parse_script(text: str) -> Script:
             error_status = number if number is not None and 400 <= number <= 599 else 500
         elif name == "garbage":
             garbage = True
+        elif name == "refuse":
+            refuse = True
         else:
             hang = True
     _, json_directive, json_text = text.partition("#json ")
@@ -145,6 +150,7 @@ def parse_script(text: str) -> Script:
         garbage,
         hang,
         json_text=json_text if json_directive else None,
+        refuse=refuse,
         agent_turns=agent_turns,
     )
 
@@ -158,6 +164,7 @@ class Generation:
     content: str | None
     tool_calls: tuple[tuple[str, str], ...]  # (function name, JSON arguments)
     finish_reason: str
+    refusal: str | None = None  # the pieces are the refusal's, not content
 
 
 def _tokenise(words: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -203,6 +210,10 @@ def generate(
             )
             pieces, ids = _tokenise(raw.split())
             outputs.append(Generation(pieces, ids, None, calls, "tool_calls"))
+            continue
+        if script.refuse and not plan.after_tool:
+            pieces, ids = _tokenise(REFUSAL.split())
+            outputs.append(Generation(pieces, ids, None, (), "stop", refusal="".join(pieces)))
             continue
         if plan.json_content is not None and script.json_text is None:  # a `#json` directive wins
             pieces, ids = _tokenise(plan.json_content.split(" "))
@@ -452,7 +463,7 @@ class _Responder:
     def completion(self) -> bytes:
         choices = []
         for index, gen in enumerate(self.outputs):
-            message: dict[str, Any] = {"role": "assistant", "content": gen.content, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": gen.content, "refusal": gen.refusal}
             if gen.tool_calls:
                 message["tool_calls"] = [
                     {
@@ -508,6 +519,8 @@ class _Responder:
         return b"data: " + _encode(chunk) + b"\n\n"
 
     def _deltas(self, index: int, gen: Generation) -> list[dict[str, Any]]:
+        if gen.refusal is not None:
+            return [{"refusal": piece} for piece in gen.pieces]
         if not gen.tool_calls:
             return [{"content": piece} for piece in gen.pieces]
         deltas: list[dict[str, Any]] = []

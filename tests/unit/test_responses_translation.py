@@ -19,21 +19,21 @@ from gateway.protocol import (
     ToolCallChunkFunction,
     Usage,
 )
-from gateway.responses_input import (
-    chat_body,
-    extra_fields,
-    parse_items,
-    parse_request,
-    to_messages,
-    translate_tools,
-)
-from gateway.responses_output import (
+from gateway.responses.output import (
     ResponseEvents,
     ResponseShape,
     call_id_of,
     from_captured,
     from_completion,
     to_builtins,
+)
+from gateway.responses.request import (
+    chat_body,
+    extra_fields,
+    parse_items,
+    parse_request,
+    to_messages,
+    translate_tools,
 )
 from tests.support.openai_schema import validate
 
@@ -274,6 +274,39 @@ def test_a_streamed_reply_becomes_the_event_sequence() -> None:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
     }
+
+
+def test_a_streamed_refusal_is_a_part_of_its_own() -> None:
+    """Refusal deltas open a `refusal` part beside any text, numbered by the order the parts opened."""
+    stream = ResponseEvents(
+        ResponseShape(CALL, 1, parse_request({"model": "m", "input": "x"}), [], logprobs=False)
+    )
+    events = stream.start()
+    events += stream.feed(chunk(content="Well,"))
+    refusal = Delta()
+    refusal.refusal = "I can't."
+    events += stream.feed(ChatCompletionChunk("c", 0, "m", [ChunkChoice(0, refusal, "stop")]))
+    closing, final = stream.finish()
+    encoded = [msgspec.to_builtins(e) for e in [*events, *closing]]
+    for event in encoded:
+        validate("ResponseStreamEvent", event)
+    assert [(e["type"], e.get("content_index")) for e in encoded[2:]] == [
+        ("response.output_item.added", None),
+        ("response.content_part.added", 0),
+        ("response.output_text.delta", 0),
+        ("response.content_part.added", 1),
+        ("response.refusal.delta", 1),
+        ("response.output_text.done", 0),
+        ("response.content_part.done", 0),
+        ("response.refusal.done", 1),
+        ("response.content_part.done", 1),
+        ("response.output_item.done", None),
+        ("response.completed", None),
+    ]
+    assert encoded[-4]["refusal"] == "I can't."
+    body = to_builtins(final)
+    validate("Response", body)
+    assert [p["type"] for p in body["output"][0]["content"]] == ["output_text", "refusal"]
 
 
 def test_a_reply_cut_at_the_limit_is_incomplete_and_a_failure_is_failed() -> None:

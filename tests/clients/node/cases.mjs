@@ -1,13 +1,15 @@
 // The Node clients of the client matrix: one case per run, as an app would call the gateway.
 // Usage: node cases.mjs CASE BASE_URL MODEL  (BASE_URL ends in /v1). Prints one JSON object on stdout; exits
-// non-zero with the error on stderr when a client call fails unexpectedly.
+// non-zero with the error on stderr when a client call fails unexpectedly. MATRIX_API picks the AI SDK's model:
+// `chat` is `provider.chat(model)`, `responses` the provider's default, `provider(model)` (the Responses API).
 import OpenAI from "openai";
 import { createOpenAI } from "@ai-sdk/openai";
-import { generateObject, generateText, jsonSchema, stepCountIs, tool } from "ai";
+import { generateObject, generateText, jsonSchema, stepCountIs, streamText, tool } from "ai";
 
 const [caseName, baseURL, model] = process.argv.slice(2);
 const client = new OpenAI({ baseURL, apiKey: "sk-matrix", maxRetries: 0 });
 const provider = createOpenAI({ baseURL, apiKey: "sk-matrix" });
+const languageModel = process.env.MATRIX_API === "responses" ? provider(model) : provider.chat(model);
 
 const weatherParameters = {
   type: "object",
@@ -18,6 +20,10 @@ const weatherParameters = {
 const weatherTool = {
   type: "function",
   function: { name: "get_weather", description: "Current weather in a city", parameters: weatherParameters },
+};
+const responsesWeatherTool = {
+  type: "function", name: "get_weather", description: "Current weather in a city",
+  parameters: weatherParameters, strict: true,
 };
 const question = (text) => [{ role: "user", content: text }];
 
@@ -80,10 +86,42 @@ const cases = {
     return caught;
   },
 
-  // AI SDK 6, `.chat(...)`: a two-step tool loop (the SDK sends the arguments back re-serialised).
+  // openai-node, `client.responses`: a streamed response through the SDK's stream helper.
+  async "openai-node responses stream"(prompt) {
+    let text = "";
+    const stream = client.responses.stream({ model, input: prompt, max_output_tokens: 24 });
+    stream.on("response.output_text.delta", (event) => { text += event.delta; });
+    const final = await stream.finalResponse();
+    return {
+      text, outputText: final.output_text, status: final.status, outputTokens: final.usage?.output_tokens ?? null,
+    };
+  },
+
+  // openai-node, `client.responses`: a function call, answered by sending the whole input back with the
+  // response's output items and the tool's output (no stored state used).
+  async "openai-node responses tool"(prompt, forced) {
+    const input = question(prompt);
+    const first = await client.responses.create({
+      model, input, tools: [responsesWeatherTool], max_output_tokens: 64,
+      tool_choice: forced ? { type: "function", name: "get_weather" } : "auto",
+    });
+    const calls = first.output.filter((item) => item.type === "function_call");
+    input.push(...first.output);
+    for (const call of calls) {
+      input.push({ type: "function_call_output", call_id: call.call_id, output: JSON.stringify({ sky: "sunny" }) });
+    }
+    const second = await client.responses.create({ model, input, max_output_tokens: 24 });
+    return {
+      calls: calls.map((c) => ({ name: c.name, arguments: JSON.parse(c.arguments) })),
+      text: second.output_text,
+    };
+  },
+
+  // AI SDK 6: a two-step tool loop (the SDK sends the arguments back re-serialised; with the Responses
+  // provider it sends the whole input back each step).
   async "ai-sdk tool loop"(prompt, forced) {
     const result = await generateText({
-      model: provider.chat(model),
+      model: languageModel,
       prompt,
       maxOutputTokens: 64,
       tools: {
@@ -105,10 +143,18 @@ const cases = {
     };
   },
 
-  // AI SDK 6, `.chat(...)`: `generateObject` (a JSON-schema response format).
+  // AI SDK 6: `streamText`, the text assembled from its stream.
+  async "ai-sdk streamText"(prompt) {
+    const result = streamText({ model: languageModel, prompt, maxOutputTokens: 24 });
+    let text = "";
+    for await (const delta of result.textStream) text += delta;
+    return { text, finish: await result.finishReason, outputTokens: (await result.usage).outputTokens ?? null };
+  },
+
+  // AI SDK 6: `generateObject` (a JSON-schema response format, or `text.format` with the Responses API).
   async "ai-sdk generateObject"(prompt) {
     const result = await generateObject({
-      model: provider.chat(model),
+      model: languageModel,
       prompt,
       maxOutputTokens: 64,
       schema: jsonSchema({

@@ -3,7 +3,7 @@ captured and rewarded through `ChatService`, then answered as a `Response` (or i
 
 Each create is one `calls` row whose request holds the translated chat messages, so training, judging,
 episodes and feedback treat it like chat traffic. A `previous_response_id` chain continues the episode of the
-response it names; the response itself is stored beside its call (`gateway.responses_store`).
+response it names; the response itself is stored beside its call (`gateway.responses.store`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,19 @@ from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError, InvalidRequest
 from gateway.normalize import Captured
 from gateway.protocol import FunctionCallItem, FunctionCallOutputItem, InputMessageItem
-from gateway.responses_input import (
+from gateway.responses.output import (
+    ResponseEvents,
+    ResponseShape,
+    call_id_of,
+    captured_reply,
+    encode,
+    encode_event,
+    from_captured,
+    from_completion,
+    response_id,
+    to_builtins,
+)
+from gateway.responses.request import (
     LOGPROBS_INCLUDE,
     InputItem,
     ResolvedItem,
@@ -32,19 +44,7 @@ from gateway.responses_input import (
     to_messages,
     translate_tools,
 )
-from gateway.responses_output import (
-    ResponseEvents,
-    ResponseShape,
-    call_id_of,
-    captured_reply,
-    encode,
-    encode_event,
-    from_captured,
-    from_completion,
-    response_id,
-    to_builtins,
-)
-from gateway.responses_store import KnownResponse, ResponseStore
+from gateway.responses.store import KnownResponse, ResponseStore
 from storage.records import ResponseRecord
 
 _ITEM_MODELS: dict[str, type[ResolvedItem]] = {
@@ -112,7 +112,8 @@ class ResponsesService:
         )
         call = ResponseCall(ctx, shape)
         if request.store is not False:
-            ctx.store_response = lambda captured: self._store(call, items, referenced, captured)
+            earlier = previous.chain_items() if previous is not None else []
+            ctx.store_response = lambda captured: self._store(call, earlier, items, referenced, captured)
         return call
 
     async def _resolve(self, items: Sequence[InputItem], principal: Principal) -> dict[str, ResolvedItem]:
@@ -139,14 +140,18 @@ class ResponsesService:
     def _store(
         self,
         call: ResponseCall,
+        earlier: list[dict[str, Any]],
         items: Sequence[InputItem],
         referenced: Mapping[str, ResolvedItem],
         captured: Captured,
     ) -> ResponseRecord:
-        """What is stored of a served create (as its call is, redacted), kept in memory for continuations."""
+        """What is stored of a served create (as its call is, redacted), kept in memory for continuations.
+
+        Its input items are those of the whole chain (`earlier`: what the responses it continues were given
+        and answered), as OpenAI lists them."""
         ctx, shape = call.ctx, call.shape
         body = to_builtins(from_captured(shape, captured))
-        input_items = item_resources(items, referenced, ctx.call_id)
+        input_items = [*earlier, *item_resources(items, referenced, ctx.call_id)]
         skip = 1 if shape.request.instructions is not None else 0
         conversation = [*ctx.body["messages"][skip:], captured_reply(captured)["message"]]
         redactor = self.chat.router.redactor(ctx.route.policy)

@@ -5,7 +5,9 @@ log) before its answer goes out, and reaches SQL a few milliseconds later. This 
 created (and those it read) in a bounded in-memory map: it continues a `previous_response_id` chain and answers
 `GET` without the database, at once after the create returned. A response another replica created a moment ago
 may still be in that replica's capture queue, so a read that finds nothing in SQL retries for a short while
-(`KAIZEN_RESPONSES_READ_WAIT_S`) before answering 404.
+(`KAIZEN_RESPONSES_READ_WAIT_S`) before answering 404. Another replica may delete a response this one holds: a
+`GET` of a copy older than `KAIZEN_RESPONSES_RECHECK_S` checks SQL first (creates do not: they never wait on the
+database for a response this replica holds).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import asyncio
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.auth import Principal
 from gateway.errors import APIError
 from storage.database import Database
-from storage.responses import StoredResponseInfo, delete_response, get_response
+from storage.responses import StoredResponseInfo, delete_response, get_response, response_stored
 
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 _FIRST_RETRY_S = 0.01
@@ -32,7 +34,7 @@ class KnownResponse:
     """A stored response with what continuing it needs."""
 
     body: dict[str, Any]  # the Response object
-    input_items: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]  # those of the whole chain, oldest first
     conversation: list[dict[str, Any]]  # its call's chat messages (instructions left out) and the reply
     episode_id: str
     episode_resolved: (
@@ -40,6 +42,13 @@ class KnownResponse:
     )
     project: str
     durable: bool  # false: served with `X-Kaizen-No-Log`, kept in this replica's memory only
+    written: bool = False  # seen in SQL (read from it, or found there by a recheck)
+    checked_at: float = field(default_factory=time.monotonic)  # when it was last known to be stored
+
+    def chain_items(self) -> list[dict[str, Any]]:
+        """What a response continuing this one was generated from before its own input: this one's input
+        items (its chain's included) and its output items."""
+        return [*self.input_items, *self.body.get("output", ())]
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         """One of its output or input items, by id."""
@@ -53,7 +62,14 @@ def _known(stored: StoredResponseInfo) -> KnownResponse:
     messages = stored.messages[1:] if stored.body.get("instructions") is not None else stored.messages
     conversation = [*messages, stored.reply] if stored.reply is not None else list(messages)
     return KnownResponse(
-        stored.body, stored.input_items, conversation, stored.episode_id, True, stored.project, durable=True
+        stored.body,
+        stored.input_items,
+        conversation,
+        stored.episode_id,
+        True,
+        stored.project,
+        durable=True,
+        written=True,
     )
 
 
@@ -94,10 +110,11 @@ class RecentResponses:
 
 
 class ResponseStore:
-    def __init__(self, database: Database, *, cache_size: int, read_wait_s: float) -> None:
+    def __init__(self, database: Database, *, cache_size: int, read_wait_s: float, recheck_s: float) -> None:
         self.database = database
         self.recent = RecentResponses(cache_size)
         self.read_wait_s = read_wait_s
+        self.recheck_s = recheck_s
 
     def remember(self, response_id: str, response: KnownResponse) -> None:
         self.recent.put(response_id, response)
@@ -122,6 +139,23 @@ class ResponseStore:
         known = _known(stored)
         self.recent.put(response_id, known)
         return known
+
+    async def read(self, response_id: str, principal: Principal) -> KnownResponse | None:
+        """`find` for `GET`: a copy held here longer than `recheck_s` is checked in SQL first, so a response
+        deleted on another replica is not answered from this one's memory after that interval."""
+        known = self.recent.get(response_id)
+        if known is not None and known.durable and time.monotonic() - known.checked_at >= self.recheck_s:
+            call_id = response_id.removeprefix("resp_")
+            async with self.database.session() as session:
+                stored = await response_stored(session, call_id)
+            if stored or (stored is None and not known.written):
+                # Stored, or its call is not written yet (still in this replica's capture queue).
+                self.recent.put(
+                    response_id, replace(known, written=bool(stored), checked_at=time.monotonic())
+                )
+            else:  # deleted (or removed with its call by retention)
+                self.recent.forget(response_id)
+        return await self.find(response_id, principal)
 
     async def _read(self, response_id: str, *, wait: bool = False) -> StoredResponseInfo | None:
         deadline = time.monotonic() + (self.read_wait_s if wait else 0.0)

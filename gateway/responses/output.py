@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import msgspec
 from msgspec import UNSET
@@ -45,6 +45,8 @@ from gateway.protocol import (
     ResponseOutputMessage,
     ResponseOutputText,
     ResponseRefusal,
+    ResponseRefusalDeltaEvent,
+    ResponseRefusalDoneEvent,
     ResponsesFunctionTool,
     ResponseStatus,
     ResponseStreamEvent,
@@ -320,11 +322,16 @@ def encode_event(event: ResponseStreamEvent) -> bytes:
     return line + _encode(event) + b"\n\n"
 
 
+PartKind = Literal["text", "refusal"]
+
+
 @dataclass
 class _StreamedItem:
     output_index: int
     item_id: str
+    parts: list[PartKind] = field(default_factory=list)  # a message's content parts, in the order they opened
     text: list[str] = field(default_factory=list)
+    refusal: list[str] = field(default_factory=list)
     logprobs: list[LogProb] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
@@ -333,6 +340,14 @@ class _StreamedItem:
     @property
     def is_message(self) -> bool:
         return not self.call_id
+
+    def content(self) -> list[ResponseOutputText | ResponseRefusal]:
+        return [
+            ResponseOutputText("".join(self.text), [], self.logprobs)
+            if kind == "text"
+            else ResponseRefusal("".join(self.refusal))
+            for kind in self.parts
+        ]
 
 
 class ResponseEvents:
@@ -372,34 +387,48 @@ class ResponseEvents:
             delta = choice.delta
             if isinstance(delta.content, str) and delta.content:
                 events.extend(self._text(delta.content, _entries(choice.logprobs)))
+            if isinstance(delta.refusal, str) and delta.refusal:
+                events.extend(self._refusal(delta.refusal))
             for call in delta.tool_calls or []:
                 events.extend(self._call(call.index, call.id, call.function))
             if choice.finish_reason is not None:
                 self.finish_reason = choice.finish_reason
         return events
 
-    def _open_message(self) -> tuple[_StreamedItem, list[ResponseStreamEvent]]:
-        if self.message is not None:
-            return self.message, []
-        item = _StreamedItem(len(self.items), message_item_id(self.shape.call_id))
-        self.message = item
-        self.items.append(item)
-        added = ResponseOutputMessage(id=item.item_id, content=[], status="in_progress")
-        part = ResponseOutputText("", [], [])
-        return item, [
-            ResponseOutputItemAddedEvent(item.output_index, self._next(), added),
-            ResponseContentPartAddedEvent(item.item_id, item.output_index, 0, part, self._next()),
-        ]
+    def _open_part(self, kind: PartKind) -> tuple[_StreamedItem, int, list[ResponseStreamEvent]]:
+        """The message (opened with its first part) and the index of its part of this kind (opened if new)."""
+        events: list[ResponseStreamEvent] = []
+        item = self.message
+        if item is None:
+            item = self.message = _StreamedItem(len(self.items), message_item_id(self.shape.call_id))
+            self.items.append(item)
+            added = ResponseOutputMessage(id=item.item_id, content=[], status="in_progress")
+            events.append(ResponseOutputItemAddedEvent(item.output_index, self._next(), added))
+        if kind in item.parts:
+            return item, item.parts.index(kind), events
+        item.parts.append(kind)
+        index = len(item.parts) - 1
+        part = ResponseOutputText("", [], []) if kind == "text" else ResponseRefusal("")
+        events.append(
+            ResponseContentPartAddedEvent(item.item_id, item.output_index, index, part, self._next())
+        )
+        return item, index, events
 
     def _text(self, text: str, entries: list[TokenLogprob]) -> list[ResponseStreamEvent]:
-        item, events = self._open_message()
+        item, index, events = self._open_part("text")
         item.text.append(text)
         if self.shape.logprobs:
             item.logprobs.extend(_logprobs(entries))
         delta_logprobs = _delta_logprobs(entries) if self.shape.logprobs else []
         events.append(
-            ResponseTextDeltaEvent(item.item_id, item.output_index, 0, text, self._next(), delta_logprobs)
+            ResponseTextDeltaEvent(item.item_id, item.output_index, index, text, self._next(), delta_logprobs)
         )
+        return events
+
+    def _refusal(self, text: str) -> list[ResponseStreamEvent]:
+        item, index, events = self._open_part("refusal")
+        item.refusal.append(text)
+        events.append(ResponseRefusalDeltaEvent(item.item_id, item.output_index, index, text, self._next()))
         return events
 
     def _call(self, index: int, tool_call_id: Any, function: Any) -> list[ResponseStreamEvent]:
@@ -441,8 +470,9 @@ class ResponseEvents:
         output: list[OutputItem] = []
         for item in self.items:
             if item.is_message:
-                text = ResponseOutputText("".join(item.text), [], item.logprobs)
-                output.append(ResponseOutputMessage(id=item.item_id, content=[text], status=item_status))
+                output.append(
+                    ResponseOutputMessage(id=item.item_id, content=item.content(), status=item_status)
+                )
             else:
                 output.append(
                     ResponseFunctionCall(
@@ -459,26 +489,18 @@ class ResponseEvents:
         """The closing events and the terminal one (`response.completed` or `response.incomplete`)."""
         events: list[ResponseStreamEvent] = []
         if not self.items:  # an empty reply is an empty message, as in a non-streamed response
-            events.extend(self._open_message()[1])
+            events.extend(self._open_part("text")[2])
         response = self.shape.finished([], self.finish_reason, self.usage)
         response.output = self._output(response.status)
         for item, done in zip(self.items, response.output, strict=True):
             if isinstance(done, ResponseOutputMessage):
-                part = cast(ResponseOutputText, done.content[0])
-                delta_logprobs = [
-                    ResponseLogProb(
-                        e.token, e.logprob, [ResponseTopLogprob(t.token, t.logprob) for t in e.top_logprobs]
+                for index, part in enumerate(done.content):
+                    events.append(self._part_done(item, index, part))
+                    events.append(
+                        ResponseContentPartDoneEvent(
+                            item.item_id, item.output_index, index, self._next(), part
+                        )
                     )
-                    for e in part.logprobs
-                ]
-                events.append(
-                    ResponseTextDoneEvent(
-                        item.item_id, item.output_index, 0, part.text, self._next(), delta_logprobs
-                    )
-                )
-                events.append(
-                    ResponseContentPartDoneEvent(item.item_id, item.output_index, 0, self._next(), part)
-                )
             else:
                 assert isinstance(done, ResponseFunctionCall)
                 events.append(
@@ -492,6 +514,23 @@ class ResponseEvents:
         else:
             events.append(ResponseCompletedEvent(response, self._next()))
         return events, response
+
+    def _part_done(
+        self, item: _StreamedItem, index: int, part: ResponseOutputText | ResponseRefusal
+    ) -> ResponseStreamEvent:
+        if isinstance(part, ResponseRefusal):
+            return ResponseRefusalDoneEvent(
+                item.item_id, item.output_index, index, part.refusal, self._next()
+            )
+        delta_logprobs = [
+            ResponseLogProb(
+                e.token, e.logprob, [ResponseTopLogprob(t.token, t.logprob) for t in e.top_logprobs]
+            )
+            for e in part.logprobs
+        ]
+        return ResponseTextDoneEvent(
+            item.item_id, item.output_index, index, part.text, self._next(), delta_logprobs
+        )
 
     def fail(self, message: str) -> ResponseStreamEvent:
         """`response.failed`, with what the engine produced before it failed."""
