@@ -225,8 +225,8 @@ class _ChoiceState:
     logprobs: list[float] = field(default_factory=list)
 
 
-class StreamAssembler:
-    """Normalises stream chunks one by one and assembles the full reply (for capture) as they pass."""
+class _ChunkReader:
+    """What chat and text completion streams share: the reply's id, creation time, usage and prompt ids."""
 
     def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
         self.response_id = response_id
@@ -236,20 +236,34 @@ class StreamAssembler:
         self.created = 0
         self.prompt_token_ids: list[int] | None = None
         self.usage: Usage | None = None
-        self.choices: dict[int, _ChoiceState] = {}
 
-    def feed(self, raw: Any) -> ChatCompletionChunk | None:
-        """Take one decoded engine chunk; return the chunk to send the client, or None to send nothing."""
+    def _header(self, raw: Any) -> tuple[dict[str, Any], Usage | None]:
+        """Check a decoded engine chunk and take its creation time and usage; returns (chunk, its usage)."""
         if not isinstance(raw, dict):
             raise EngineBadResponse("the engine sent a malformed stream chunk")
         if not self.created and isinstance(raw.get("created"), int | float):
             self.created = int(raw["created"])
-        prompt_ids = _int_list(raw.get("prompt_token_ids"))
-        if prompt_ids is not None:
-            self.prompt_token_ids = prompt_ids
         usage = _usage(raw.get("usage"))
         if usage is not None:
             self.usage = usage
+        return raw, usage
+
+
+class StreamAssembler(_ChunkReader):
+    """Normalises stream chunks one by one and assembles the full reply (for capture) as they pass."""
+
+    def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
+        super().__init__(
+            response_id=response_id, model=model, keep_logprobs=keep_logprobs, keep_usage=keep_usage
+        )
+        self.choices: dict[int, _ChoiceState] = {}
+
+    def feed(self, raw: Any) -> ChatCompletionChunk | None:
+        """Take one decoded engine chunk; return the chunk to send the client, or None to send nothing."""
+        raw, usage = self._header(raw)
+        prompt_ids = _int_list(raw.get("prompt_token_ids"))
+        if prompt_ids is not None:
+            self.prompt_token_ids = prompt_ids
         out: list[ChunkChoice] = []
         for position, item in enumerate(raw.get("choices") or []):
             if isinstance(item, dict):
@@ -441,27 +455,17 @@ class _TextState:
     logprobs: list[float] = field(default_factory=list)
 
 
-class TextStreamAssembler:
+class TextStreamAssembler(_ChunkReader):
     """Normalises `/completions` stream chunks and assembles each choice's text for capture."""
 
     def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
-        self.response_id = response_id
-        self.model = model
-        self.keep_logprobs = keep_logprobs
-        self.keep_usage = keep_usage
-        self.created = 0
-        self.prompt_token_ids: list[int] | None = None
-        self.usage: Usage | None = None
+        super().__init__(
+            response_id=response_id, model=model, keep_logprobs=keep_logprobs, keep_usage=keep_usage
+        )
         self.choices: dict[int, _TextState] = {}
 
     def feed(self, raw: Any) -> TextCompletion | None:
-        if not isinstance(raw, dict):
-            raise EngineBadResponse("the engine sent a malformed stream chunk")
-        if not self.created and isinstance(raw.get("created"), int | float):
-            self.created = int(raw["created"])
-        usage = _usage(raw.get("usage"))
-        if usage is not None:
-            self.usage = usage
+        raw, usage = self._header(raw)
         out: list[CompletionChoice] = []
         for position, item in enumerate(raw.get("choices") or []):
             if not isinstance(item, dict):
