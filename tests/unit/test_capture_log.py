@@ -344,3 +344,33 @@ def test_calls_wait_in_the_log_while_the_database_is_down_and_are_counted_once(
 
     asyncio.run(run())
     assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
+
+
+def test_the_writer_reports_the_final_episode_of_provisionally_stitched_calls(
+    tmp_path: Path, database_path: Path
+) -> None:
+    """A follow-up the gateway could not stitch from memory is linked by the writer; the gateway hears which
+    episode each provisional call ended in (it settles its stitch cache with that), and nothing of final ones."""
+    first = msgspec.structs.replace(record(1), episode_resolved=False, stitch_keys=["tail-1"])
+    follow_up = msgspec.structs.replace(
+        record(2), episode_resolved=False, stitch_lookup=["tail-1"], stitch_keys=["tail-2"]
+    )
+    final = msgspec.structs.replace(record(3), stitch_keys=["tail-3"])
+    reported: list[tuple[str, str]] = []
+
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=5.0, stitch_grace_ms=1000.0)
+        sink.on_stored = reported.extend
+        await sink.start()
+        for item in (first, follow_up, final):
+            sink.submit(item)
+
+        async def both_reported() -> bool:
+            return len(reported) >= 2
+
+        await wait_until_async(both_reported, "the writer to report both provisional calls")
+        await sink.stop()
+
+    asyncio.run(run())
+    assert sorted(reported) == [("call-1", "ep-1"), ("call-2", "ep-1")]
+    assert stored_ids(database_path) == ["call-1", "call-2", "call-3"]
