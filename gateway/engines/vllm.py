@@ -162,7 +162,13 @@ class VLLMEngine(Engine):
         if self.launch is not None:
             require_free_port(self.launch.port)
             await self._spawn()
-        await self._wait_healthy()
+        try:
+            await self._wait_healthy()
+        except BaseException:
+            # A server that never became healthy (or whose start-up was cancelled) is stopped here: the
+            # gateway's shutdown only runs after a successful start, and the server's own session outlives us.
+            await self._terminate()
+            raise
         self._ready.set()
         if self.launch is not None:
             self._watchdog = asyncio.create_task(self._watch(), name="vllm-watchdog")

@@ -76,6 +76,10 @@ class GatewayServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        # Stop what the start-up began before giving up on it: a vLLM server lives in its own session and
+        # would outlive the test run.
+        self.call(self.services.engine.close(), timeout_s=60)
+        self.stop()
         raise TimeoutError("gateway did not start")
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from pathlib import Path
 
@@ -53,3 +54,29 @@ def test_a_port_another_process_holds_stops_start_up() -> None:
 
         with pytest.raises(RuntimeError, match=f"port {port}: another process is using it"):
             asyncio.run(start())
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
+    """Start-up that times out must not leave the server running: it sits in its own session, so nothing
+    else would ever stop it."""
+    pid_file = tmp_path / "pid"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    fake.chmod(0o755)
+    port = free_loopback_port()
+    launch = VLLMLaunch(python=str(fake), model="m", served_name="m", port=port)
+    engine = VLLMEngine(
+        base_url=f"http://127.0.0.1:{port}/v1", served_name="m", launch=launch, startup_timeout_s=1.0
+    )
+
+    async def start() -> None:
+        try:
+            await engine.start()
+        finally:
+            await engine.client.close()
+
+    with pytest.raises(TimeoutError, match="did not become healthy"):
+        asyncio.run(start())
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
