@@ -43,6 +43,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from storage.calls import resolve_stitched_episodes, write_calls
 from storage.database import Database
 from storage.records import CallRecord, LoggedCall
+from storage.wal_checkpoints import WalCheckpointer
 
 log = logging.getLogger("gateway.capture_writer")  # not __name__: the process runs it as __main__
 
@@ -594,7 +595,11 @@ async def _main() -> None:
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
     channel.send(WriterStatus())  # up: imports done (seconds on a busy machine), so its drain can be timed
     lock = await asyncio.to_thread(_lock, Path(config.log_dir))
-    writer = CaptureWriter(config, channel, Database(config.database_url))
+    database = Database(config.database_url, sqlite_autocheckpoint=False)
+    checkpointer = WalCheckpointer(config.database_url) if database.is_sqlite else None
+    if checkpointer is not None:
+        checkpointer.start()
+    writer = CaptureWriter(config, channel, database)
     # What is alive now lives as long as the process: out of the collector's reach, a collection walks only
     # the calls in hand (measured: a fifth less CPU per row).
     gc.collect()
@@ -607,6 +612,8 @@ async def _main() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await listener
         await writer.close()
+        if checkpointer is not None:
+            await asyncio.to_thread(checkpointer.stop)
         os.close(lock)
 
 

@@ -25,10 +25,20 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def _no_autocheckpoint(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA wal_autocheckpoint=0")
+    cursor.close()
+
+
 class Database:
     """Owns the SQLAlchemy async engine; hands out sessions with explicit lifetimes."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout_s: float = 5.0, sqlite_autocheckpoint: bool = True
+    ) -> None:
+        """`sqlite_autocheckpoint=False`: this process's commits never checkpoint the WAL; something else
+        must (`storage.wal_checkpoints`)."""
         self.url = url
         self.is_sqlite = url.startswith("sqlite")
         # msgspec encodes and decodes the JSON columns several times faster than the stdlib json module.
@@ -54,6 +64,8 @@ class Database:
         self.engine: AsyncEngine = create_async_engine(url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+            if not sqlite_autocheckpoint:
+                event.listen(self.engine.sync_engine, "connect", _no_autocheckpoint)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
 
     @asynccontextmanager
