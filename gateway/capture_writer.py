@@ -595,7 +595,7 @@ async def _main() -> None:
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
     channel.send(WriterStatus())  # up: imports done (seconds on a busy machine), so its drain can be timed
     lock = await asyncio.to_thread(_lock, Path(config.log_dir))
-    database = Database(config.database_url, sqlite_autocheckpoint=False)
+    database = Database(config.database_url, capture_writer=True)
     checkpointer = WalCheckpointer(config.database_url) if database.is_sqlite else None
     if checkpointer is not None:
         checkpointer.start()

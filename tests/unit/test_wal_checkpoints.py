@@ -38,7 +38,7 @@ def test_the_writers_commits_leave_the_log_to_the_checkpoint_thread(tmp_path: Pa
     keeper = sqlite3.connect(db_file)
     keeper.execute("PRAGMA journal_mode=WAL").fetchall()
     keeper.execute("SELECT count(*) FROM sqlite_master").fetchall()
-    _write_through(Database(url, sqlite_autocheckpoint=False), 6_000)  # about 1,500 pages: past 1,000
+    _write_through(Database(url, capture_writer=True), 6_000)  # about 1,500 pages: past 1,000
     # Nothing checkpointed: the rows are in the log only (SQLite alone would have copied them at 1,000 pages).
     assert wal_file.stat().st_size > 5_000_000 and db_file.stat().st_size < 1_000_000
 
