@@ -78,7 +78,8 @@ class GatewayServer:
             time.sleep(0.05)
         # Stop what the start-up began before giving up on it: a vLLM server lives in its own session and
         # would outlive the test run.
-        self.call(self.services.engine.close(), timeout_s=60)
+        if self.loop is not None:
+            self.call(self.services.engine.close(), timeout_s=60)
         self.stop()
         raise TimeoutError("gateway did not start")
 
