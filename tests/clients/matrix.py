@@ -50,6 +50,10 @@ RESPONSES_WEATHER_TOOL = {  # the same tool in the Responses API's flat shape
 QUESTION = "What is the weather in Paris?"
 # Budgets that keep the CPU engine quick; the scripted upstream ignores them.
 MAX_TOKENS = 48
+# For a reply that must be a whole JSON object (structured outputs, a forced tool call's arguments): the embedded
+# model now and then writes a long string value or pads with whitespace, which 48 tokens cut short (seen: 1 in 4
+# LangChain json_schema calls on the Responses API), and the client then cannot parse what it got.
+JSON_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ def openai_tools(target: Target) -> int:
         messages=messages,
         tools=[WEATHER_TOOL],  # type: ignore[list-item]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=MAX_TOKENS,
+        max_tokens=JSON_MAX_TOKENS,
     )
     message = first.choices[0].message
     [call] = message.tool_calls or []
@@ -175,7 +179,7 @@ def openai_parse(target: Target) -> int:
         model=target.model,
         messages=[{"role": "user", "content": QUESTION}],
         response_format=Weather,
-        max_tokens=MAX_TOKENS,
+        max_tokens=JSON_MAX_TOKENS,
     )
     assert isinstance(reply.choices[0].message.parsed, Weather)
     return 1
@@ -217,7 +221,7 @@ def responses_tool_loop(target: Target) -> int:
         input=target.ask(QUESTION, "#tool"),
         tools=[RESPONSES_WEATHER_TOOL],  # type: ignore[list-item]
         tool_choice={"type": "function", "name": "get_weather"} if target.forced else "auto",
-        max_output_tokens=MAX_TOKENS,
+        max_output_tokens=JSON_MAX_TOKENS,
     )
     [call] = [item for item in first.output if item.type == "function_call"]
     _check_weather_call(call.name, call.arguments)
@@ -233,7 +237,7 @@ def responses_tool_loop(target: Target) -> int:
 
 def responses_parse(target: Target) -> int:
     reply = target.openai().responses.parse(
-        model=target.model, input=QUESTION, text_format=Weather, max_output_tokens=MAX_TOKENS
+        model=target.model, input=QUESTION, text_format=Weather, max_output_tokens=JSON_MAX_TOKENS
     )
     assert isinstance(reply.output_parsed, Weather)
     return 1
@@ -335,7 +339,7 @@ def ai_sdk_generate_object(target: Target) -> int:
 
 
 # ----------------------------------------------------------------------------- LangChain
-def _chat_model(target: Target, **options: Any) -> Any:
+def _chat_model(target: Target, max_tokens: int = MAX_TOKENS, **options: Any) -> Any:
     """`ChatOpenAI` speaking the case's API: `use_responses_api` for "responses" (as it turns on by itself for
     OpenAI's newer models and Responses-only options)."""
     from langchain_openai import ChatOpenAI
@@ -345,7 +349,7 @@ def _chat_model(target: Target, **options: Any) -> Any:
         base_url=target.base_url,
         api_key="sk-matrix",
         max_retries=0,
-        max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        max_tokens=max_tokens,  # type: ignore[arg-type]
         use_responses_api=target.api == "responses",
         **options,
     )
@@ -382,7 +386,9 @@ def langchain_tool_loop(target: Target, **options: Any) -> int:
 
     weather = _get_weather_tool()
     model = _chat_model(target, **options)
-    first_model = model.bind_tools([weather], tool_choice="get_weather" if target.forced else None)
+    first_model = _chat_model(target, JSON_MAX_TOKENS, **options).bind_tools(
+        [weather], tool_choice="get_weather" if target.forced else None
+    )
     messages: list[Any] = [HumanMessage(target.ask(QUESTION, "#tool"))]
     reply = first_model.invoke(messages)
     [call] = reply.tool_calls
@@ -402,7 +408,8 @@ def langchain_tool_loop_chained(target: Target) -> int:
 def _structured(method: str) -> Callable[[Target], int]:
     def run(target: Target) -> int:
         schema: Any = Weather if method != "json_mode" else {"title": "weather", "type": "object"}
-        result = _chat_model(target).with_structured_output(schema, method=method).invoke(QUESTION)  # type: ignore[arg-type]
+        model = _chat_model(target, JSON_MAX_TOKENS)
+        result = model.with_structured_output(schema, method=method).invoke(QUESTION)  # type: ignore[arg-type]
         assert isinstance(result, Weather if method != "json_mode" else dict), result
         return 1
 
@@ -465,7 +472,7 @@ def _run_agent(target: Target, *, chained: bool = False) -> int:
         tools=[get_weather],
         # Forced, one call: `required` alone lets vLLM's structured outputs generate several (up to the limit).
         model_settings=ModelSettings(
-            max_tokens=MAX_TOKENS,
+            max_tokens=JSON_MAX_TOKENS,
             tool_choice="required" if target.forced else None,
             parallel_tool_calls=False if target.forced else None,
         ),
