@@ -186,7 +186,9 @@ async def through_gateway(
         # The backlog as time: how far behind the answers the rows are, against the flush window (50 ms).
         "backlog_max_ms": round(max(backlog, default=0) / rate * 1000, 1) if rate else None,
         "backlog_mean_ms": round(statistics.fmean(backlog) / rate * 1000, 1) if rate and backlog else None,
-        "backlog_p95_ms": round(percentile(sorted(backlog), 95) / rate * 1000, 1) if rate and backlog else None,
+        "backlog_p95_ms": round(percentile(sorted(backlog), 95) / rate * 1000, 1)
+        if rate and backlog
+        else None,
         "backlog_samples": len(backlog),
         "backlog_series": backlog,  # rows behind at each sample: one slow moment, or a trend
         "drain_s": round(drain_s, 3),
