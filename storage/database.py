@@ -55,10 +55,12 @@ class Database:
             # 80 ms (measured on 10 million calls over 100 days); Kaizen's queries are short ones.
             settings = {"jit": "off"}
             if capture_writer:
-                # The writer runs the same few lookups by id thousands of times while `calls`, `episodes` and
-                # each new day partition grow from empty. A prepared statement's generic plan, made while a table
-                # was small and before autovacuum first analysed it, scans it whole: three lookups per batch took
-                # 25-42 ms at 13-22k rows instead of 1-2. Planning each execution costs about 1.5 ms per batch.
+                # The writer looks a batch's ids up from its first batch on, while `calls`, `episodes` and each
+                # new day partition grow from empty. Until autovacuum first analyses a table, PostgreSQL reads it
+                # whole for those lookups. Planned for its parameters, the list of ids is constants that it checks
+                # each row against by hashing; the generic plan it settles on while the table is small holds
+                # parameters, checked one by one: three lookups per batch took 25-42 ms at 13-22k rows instead
+                # of 1.5-4. Planning each execution costs about 1.5 ms per batch.
                 settings["plan_cache_mode"] = "force_custom_plan"
             kwargs["connect_args"] = {
                 "timeout": connect_timeout_s,
