@@ -23,7 +23,7 @@ from tests.conftest import MODELS_DIR, query
 from tests.integration.test_vllm_engine import _write_random_adapter
 from tests.support.engine_faults import load_with_a_kill
 from tests.support.gateway_server import GatewayServer
-from tests.support.polling import wait_until
+from tests.support.polling import poll, wait_until
 
 # Two vLLM servers start (and one restarts) on two shared cores: minutes on a loaded machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -120,7 +120,13 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_is_lost(gateway: Ga
             "messages": [{"role": "user", "content": f"Count from {n} to {n + 20}."}],
         }
 
+    async def both_answered() -> bool:
+        return all(r.served > before[r.engine.base_url] for r in engines.replicas)
+
     async def kill() -> None:
+        # Not before each replica has answered a call of this load: a replica slowed by the machine may not
+        # have finished one when a quarter of the calls are done, and then it would seem to have taken none.
+        assert await poll(both_answered, timeout_s=600)
         doomed = engines.replicas[1].engine._process  # the API server; its engine core is in its group
         assert doomed is not None
         os.killpg(doomed.pid, signal.SIGKILL)
