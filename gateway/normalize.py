@@ -8,7 +8,7 @@ adds its own fields), so output is rebuilt field by field from `gateway.protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Generic, Literal, TypeVar, cast
 
 from gateway.errors import EngineBadResponse
 from gateway.protocol import (
@@ -225,8 +225,12 @@ class _ChoiceState:
     logprobs: list[float] = field(default_factory=list)
 
 
-class _ChunkReader:
-    """What chat and text completion streams share: the reply's id, creation time, usage and prompt ids."""
+ChoiceState = TypeVar("ChoiceState")
+
+
+class _ChunkReader(Generic[ChoiceState]):
+    """What chat and text completion streams share: the reply's id, creation time, usage and prompt ids, and
+    each choice's state by index."""
 
     def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
         self.response_id = response_id
@@ -236,6 +240,7 @@ class _ChunkReader:
         self.created = 0
         self.prompt_token_ids: list[int] | None = None
         self.usage: Usage | None = None
+        self.choices: dict[int, ChoiceState] = {}
 
     def _header(self, raw: Any) -> tuple[dict[str, Any], Usage | None]:
         """Check a decoded engine chunk and take its creation time and usage; returns (chunk, its usage)."""
@@ -249,14 +254,8 @@ class _ChunkReader:
         return raw, usage
 
 
-class StreamAssembler(_ChunkReader):
+class StreamAssembler(_ChunkReader[_ChoiceState]):
     """Normalises stream chunks one by one and assembles the full reply (for capture) as they pass."""
-
-    def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
-        super().__init__(
-            response_id=response_id, model=model, keep_logprobs=keep_logprobs, keep_usage=keep_usage
-        )
-        self.choices: dict[int, _ChoiceState] = {}
 
     def feed(self, raw: Any) -> ChatCompletionChunk | None:
         """Take one decoded engine chunk; return the chunk to send the client, or None to send nothing."""
@@ -455,14 +454,8 @@ class _TextState:
     logprobs: list[float] = field(default_factory=list)
 
 
-class TextStreamAssembler(_ChunkReader):
+class TextStreamAssembler(_ChunkReader[_TextState]):
     """Normalises `/completions` stream chunks and assembles each choice's text for capture."""
-
-    def __init__(self, *, response_id: str, model: str, keep_logprobs: bool, keep_usage: bool) -> None:
-        super().__init__(
-            response_id=response_id, model=model, keep_logprobs=keep_logprobs, keep_usage=keep_usage
-        )
-        self.choices: dict[int, _TextState] = {}
 
     def feed(self, raw: Any) -> TextCompletion | None:
         raw, usage = self._header(raw)
