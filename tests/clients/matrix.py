@@ -50,9 +50,12 @@ RESPONSES_WEATHER_TOOL = {  # the same tool in the Responses API's flat shape
 QUESTION = "What is the weather in Paris?"
 # Budgets that keep the CPU engine quick; the scripted upstream ignores them.
 MAX_TOKENS = 48
-# For a reply that must be a whole JSON object (structured outputs, a forced tool call's arguments): the embedded
-# model now and then writes a long string value or pads with whitespace, which 48 tokens cut short (seen: 1 in 4
-# LangChain json_schema calls on the Responses API), and the client then cannot parse what it got.
+# For a reply that must be a whole JSON object (structured outputs, a forced tool call's arguments): sampling at
+# vLLM's default temperature 1, the embedded model pads the JSON with whitespace or writes a long string value, and
+# now and then runs past any budget (seen: 1 in 4 LangChain json_schema calls on the Responses API at 48 tokens;
+# 1 to 2 in 300 forced calls at 64 or 128). The client cannot parse what was cut short, and vLLM returns a forced
+# call cut short as text, with no tool call at all. So these calls are also greedy on vLLM (`Target.json_temperature`): a reply that fits once
+# fits every time, through the same gateway path.
 JSON_MAX_TOKENS = 128
 
 
@@ -64,6 +67,12 @@ class Target:
     base_url: str  # ends in /v1
     model: str
     api: str = "chat"  # the API of the case being run: "chat" or "responses"
+
+    @property
+    def json_temperature(self) -> float | None:
+        """The temperature of a call whose reply must be a whole JSON object: greedy on vLLM (see
+        `JSON_MAX_TOKENS`); None, the client's default, on the scripted upstream, which does not sample."""
+        return 0.0 if self.engine == "vllm" else None
 
     @property
     def forced(self) -> bool:
@@ -161,6 +170,7 @@ def openai_tools(target: Target) -> int:
         tools=[WEATHER_TOOL],  # type: ignore[list-item]
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=JSON_MAX_TOKENS,
+        temperature=target.json_temperature,
     )
     message = first.choices[0].message
     [call] = message.tool_calls or []
@@ -180,6 +190,7 @@ def openai_parse(target: Target) -> int:
         messages=[{"role": "user", "content": QUESTION}],
         response_format=Weather,
         max_tokens=JSON_MAX_TOKENS,
+        temperature=target.json_temperature,
     )
     assert isinstance(reply.choices[0].message.parsed, Weather)
     return 1
@@ -222,6 +233,7 @@ def responses_tool_loop(target: Target) -> int:
         tools=[RESPONSES_WEATHER_TOOL],  # type: ignore[list-item]
         tool_choice={"type": "function", "name": "get_weather"} if target.forced else "auto",
         max_output_tokens=JSON_MAX_TOKENS,
+        temperature=target.json_temperature,
     )
     [call] = [item for item in first.output if item.type == "function_call"]
     _check_weather_call(call.name, call.arguments)
@@ -237,7 +249,11 @@ def responses_tool_loop(target: Target) -> int:
 
 def responses_parse(target: Target) -> int:
     reply = target.openai().responses.parse(
-        model=target.model, input=QUESTION, text_format=Weather, max_output_tokens=JSON_MAX_TOKENS
+        model=target.model,
+        input=QUESTION,
+        text_format=Weather,
+        max_output_tokens=JSON_MAX_TOKENS,
+        temperature=target.json_temperature,
     )
     assert isinstance(reply.output_parsed, Weather)
     return 1
@@ -245,14 +261,21 @@ def responses_parse(target: Target) -> int:
 
 # ----------------------------------------------------------------------------- openai-node and the AI SDK
 def node(case: str, target: Target, **env: str) -> Any:
-    """Run one case of tests/clients/node/cases.mjs; its JSON result."""
+    """Run one case of tests/clients/node/cases.mjs; its JSON result. Its calls whose reply must be JSON use
+    `MATRIX_JSON_TEMPERATURE` (empty: the client's default)."""
+    json_temperature = target.json_temperature
     done = subprocess.run(
         ["node", str(NODE_DIR / "cases.mjs"), case, target.base_url, target.model],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=NODE_DIR,
-        env={**os.environ, "MATRIX_API": target.api, **env},
+        env={
+            **os.environ,
+            "MATRIX_API": target.api,
+            "MATRIX_JSON_TEMPERATURE": "" if json_temperature is None else str(json_temperature),
+            **env,
+        },
         check=False,
     )
     assert done.returncode == 0, f"{case} failed:\n{done.stderr[-3000:]}"
@@ -339,9 +362,10 @@ def ai_sdk_generate_object(target: Target) -> int:
 
 
 # ----------------------------------------------------------------------------- LangChain
-def _chat_model(target: Target, max_tokens: int = MAX_TOKENS, **options: Any) -> Any:
+def _chat_model(target: Target, *, json_reply: bool = False, **options: Any) -> Any:
     """`ChatOpenAI` speaking the case's API: `use_responses_api` for "responses" (as it turns on by itself for
-    OpenAI's newer models and Responses-only options)."""
+    OpenAI's newer models and Responses-only options). `json_reply`: its replies must be whole JSON objects
+    (`JSON_MAX_TOKENS`, `Target.json_temperature`)."""
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
@@ -349,7 +373,8 @@ def _chat_model(target: Target, max_tokens: int = MAX_TOKENS, **options: Any) ->
         base_url=target.base_url,
         api_key="sk-matrix",
         max_retries=0,
-        max_tokens=max_tokens,  # type: ignore[arg-type]
+        max_tokens=JSON_MAX_TOKENS if json_reply else MAX_TOKENS,  # type: ignore[arg-type]
+        temperature=target.json_temperature if json_reply else None,
         use_responses_api=target.api == "responses",
         **options,
     )
@@ -386,7 +411,7 @@ def langchain_tool_loop(target: Target, **options: Any) -> int:
 
     weather = _get_weather_tool()
     model = _chat_model(target, **options)
-    first_model = _chat_model(target, JSON_MAX_TOKENS, **options).bind_tools(
+    first_model = _chat_model(target, json_reply=True, **options).bind_tools(
         [weather], tool_choice="get_weather" if target.forced else None
     )
     messages: list[Any] = [HumanMessage(target.ask(QUESTION, "#tool"))]
@@ -408,7 +433,7 @@ def langchain_tool_loop_chained(target: Target) -> int:
 def _structured(method: str) -> Callable[[Target], int]:
     def run(target: Target) -> int:
         schema: Any = Weather if method != "json_mode" else {"title": "weather", "type": "object"}
-        model = _chat_model(target, JSON_MAX_TOKENS)
+        model = _chat_model(target, json_reply=True)
         result = model.with_structured_output(schema, method=method).invoke(QUESTION)  # type: ignore[arg-type]
         assert isinstance(result, Weather if method != "json_mode" else dict), result
         return 1
@@ -473,6 +498,7 @@ def _run_agent(target: Target, *, chained: bool = False) -> int:
         # Forced, one call: `required` alone lets vLLM's structured outputs generate several (up to the limit).
         model_settings=ModelSettings(
             max_tokens=JSON_MAX_TOKENS,
+            temperature=target.json_temperature,
             tool_choice="required" if target.forced else None,
             parallel_tool_calls=False if target.forced else None,
         ),

@@ -2,6 +2,9 @@
 // Usage: node cases.mjs CASE BASE_URL MODEL  (BASE_URL ends in /v1). Prints one JSON object on stdout; exits
 // non-zero with the error on stderr when a client call fails unexpectedly. MATRIX_API picks the AI SDK's model:
 // `chat` is `provider.chat(model)`, `responses` the provider's default, `provider(model)` (the Responses API).
+// MATRIX_JSON_TEMPERATURE is the temperature of the calls whose reply must be a whole JSON object (a forced tool
+// call, a generated object): 0 on the small embedded model, which now and then overruns the token budget when
+// sampled; empty leaves the client's default.
 import OpenAI from "openai";
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateObject, generateText, jsonSchema, stepCountIs, streamText, tool } from "ai";
@@ -26,6 +29,7 @@ const responsesWeatherTool = {
   parameters: weatherParameters, strict: true,
 };
 const question = (text) => [{ role: "user", content: text }];
+const jsonTemperature = process.env.MATRIX_JSON_TEMPERATURE ? Number(process.env.MATRIX_JSON_TEMPERATURE) : undefined;
 
 const cases = {
   // openai-node: a streamed reply, assembled from its chunks.
@@ -51,7 +55,7 @@ const cases = {
   async "openai-node tools"(prompt) {
     const messages = question(prompt);
     const first = await client.chat.completions.create({
-      model, messages, tools: [weatherTool], max_tokens: 64,
+      model, messages, tools: [weatherTool], max_tokens: 64, temperature: jsonTemperature,
       tool_choice: { type: "function", function: { name: "get_weather" } },
     });
     const message = first.choices[0].message;
@@ -102,7 +106,7 @@ const cases = {
   async "openai-node responses tool"(prompt, forced) {
     const input = question(prompt);
     const first = await client.responses.create({
-      model, input, tools: [responsesWeatherTool], max_output_tokens: 64,
+      model, input, tools: [responsesWeatherTool], max_output_tokens: 64, temperature: jsonTemperature,
       tool_choice: forced ? { type: "function", name: "get_weather" } : "auto",
     });
     const calls = first.output.filter((item) => item.type === "function_call");
@@ -124,6 +128,7 @@ const cases = {
       model: languageModel,
       prompt,
       maxOutputTokens: 64,
+      temperature: jsonTemperature,
       tools: {
         get_weather: tool({
           description: "Current weather in a city",
@@ -157,6 +162,7 @@ const cases = {
       model: languageModel,
       prompt,
       maxOutputTokens: 64,
+      temperature: jsonTemperature,
       schema: jsonSchema({
         type: "object",
         properties: { city: { type: "string" }, sunny: { type: "boolean" } },
