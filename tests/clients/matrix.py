@@ -54,8 +54,8 @@ MAX_TOKENS = 48
 # vLLM's default temperature 1, the embedded model pads the JSON with whitespace or writes a long string value, and
 # now and then runs past any budget (seen: 1 in 4 LangChain json_schema calls on the Responses API at 48 tokens;
 # 1 to 2 in 300 forced calls at 64 or 128). The client cannot parse what was cut short, and vLLM returns a forced
-# call cut short as text, with no tool call at all. So these calls are also greedy on vLLM (`Target.json_temperature`): a reply that fits once
-# fits every time, through the same gateway path.
+# call cut short as text, with no tool call at all. So these calls are also greedy on vLLM
+# (`Target.json_temperature`): a reply that fits once fits every time, through the same gateway path.
 JSON_MAX_TOKENS = 128
 
 

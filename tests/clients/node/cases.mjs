@@ -29,7 +29,8 @@ const responsesWeatherTool = {
   parameters: weatherParameters, strict: true,
 };
 const question = (text) => [{ role: "user", content: text }];
-const jsonTemperature = process.env.MATRIX_JSON_TEMPERATURE ? Number(process.env.MATRIX_JSON_TEMPERATURE) : undefined;
+const jsonTemperature = process.env.MATRIX_JSON_TEMPERATURE
+  ? Number(process.env.MATRIX_JSON_TEMPERATURE) : undefined;
 
 const cases = {
   // openai-node: a streamed reply, assembled from its chunks.
