@@ -127,6 +127,7 @@ def build_vllm_engine(settings: Settings) -> Engine:
             kv_cache_gib=settings.vllm_kv_cache_gib,
             dtype=settings.vllm_dtype,
             tool_call_parser=tool_call_parser,
+            tool_strict_level=settings.vllm_tool_strict_level,
             chat_template=settings.vllm_chat_template or None,
             extra_args=settings.vllm_extra_args.split(),
             env=replica_environment(settings, index),

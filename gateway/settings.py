@@ -134,6 +134,12 @@ class Settings(BaseSettings):
         description="vLLM tool-call parser (`hermes`, `mistral`, `llama3_json`, ...), or `none` to serve without "
         "tool calls. Default: the one the chat template's tool-call markers show (`hermes` for the embedded model).",
     )
+    vllm_tool_strict_level: str = Field(
+        "parameter",
+        description="vLLM's `--tool-strict-level` when a tool-call parser is on: `parameter` holds every tool "
+        "call's arguments to its tool's JSON schema. Empty: the flag is not passed (vLLM builds before it, such "
+        "as 0.25, refuse to start with it).",
+    )
     vllm_chat_template: str = Field(
         "", description="Chat template file for vLLM. Default: the one saved with the model directory."
     )

@@ -74,6 +74,7 @@ class VLLMLaunch:
     kv_cache_gib: int = 2
     dtype: str = "bfloat16"
     tool_call_parser: str | None = None
+    tool_strict_level: str = "parameter"
     chat_template: str | None = None
     extra_args: list[str] = field(default_factory=list)
     #: Variables of this server alone, over the gateway's own (a replica's GPUs or CPU cores).
@@ -95,15 +96,13 @@ class VLLMLaunch:
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        if self.tool_call_parser and self.tool_strict_level:
             # `parameter`: every tool call is held to its tool's JSON schema by structured decoding, the forced
             # ones (`required`, a named function) from the first token and, under `auto`, one the model starts
             # on its own. Without it only the call's envelope is, and a small model's forced call is often
             # free-form text no parser recovers.
-            cmd += [
-                "--enable-auto-tool-choice",
-                "--tool-call-parser", self.tool_call_parser,
-                "--tool-strict-level", "parameter",
-            ]  # fmt: skip
+            cmd += ["--tool-strict-level", self.tool_strict_level]
         if self.chat_template:
             cmd += ["--chat-template", self.chat_template]
         return cmd + self.extra_args

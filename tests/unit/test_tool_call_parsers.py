@@ -87,3 +87,20 @@ def test_base_model_given_as_a_directory_gets_its_parser(tmp_path: Path) -> None
     assert command[command.index("--tool-strict-level") + 1] == "parameter"
     assert "--enable-auto-tool-choice" in command
     assert engine.served_name == "my-model"
+
+
+def test_tool_strict_level_can_be_left_out(tmp_path: Path) -> None:
+    """A vLLM build without `--tool-strict-level` refuses to start with it: an empty setting leaves it out."""
+    model = _model_dir(tmp_path / "models" / "my-model", jinja=EMBEDDED_TEMPLATE.read_text())
+    settings = Settings.load(
+        engine="vllm",
+        base_model=str(model),
+        data_dir=tmp_path / "data",
+        vllm_port=0,
+        vllm_tool_strict_level="",
+    )
+    engine = build_vllm_engine(settings)
+    assert isinstance(engine, VLLMEngine) and engine.launch is not None
+    command = engine.launch.command()
+    assert command[command.index("--tool-call-parser") + 1] == "hermes"
+    assert "--tool-strict-level" not in command
