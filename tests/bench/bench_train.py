@@ -6,11 +6,13 @@ layers), micro-batch, gradient accumulation and bf16 autocast, and do the same u
 clipped policy-gradient loss, backward, AdamW step. TRL generates inside its step, so to compare only the
 update its ``_prepare_inputs`` (generation + scoring) is replaced by the identity and its real
 ``training_step`` (autocast, ``compute_loss``, ``accelerator.backward``) runs on the fixed batch. Each side runs
-in its own fresh process (peak RSS is per process), alternating, and the best round per side is reported.
+in its own fresh process (peak RSS is per process), alternating, and the best round per side is reported. On a
+CUDA device (``--device cuda``, the default where one is present) each side also reports its peak GPU memory.
 TRL is measured twice: as ``GRPOConfig`` configures it (gradient checkpointing on) and without gradient
 checkpointing (no recomputation, the faster setting on a small model); the headline ratio is against the faster.
 
-    python -m tests.bench.bench_train [--steps 4] [--rounds 3] [--out tests/bench/results/train.json]
+    python -m tests.bench.bench_train [--steps 4] [--rounds 3] [--device cpu|cuda] [--model-dir DIR]
+        [--out tests/bench/results/train.json]
 """
 
 from __future__ import annotations
@@ -69,11 +71,25 @@ def make_data(model_dir: str, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _peaks(device: str) -> dict[str, float]:
+    """Peak host memory of this process and, on a GPU, the most device memory torch held at once."""
+    peaks = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device == "cuda":
+        import torch
+
+        peaks["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return peaks
 
 
-def run_kaizen(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int) -> dict[str, float]:
+def _gpu_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name())
+
+
+def run_kaizen(
+    model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device_name: str
+) -> dict[str, float]:
     import torch
 
     from trainer.batch import TokenizedSample
@@ -87,7 +103,7 @@ def run_kaizen(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: 
         learning_rate=1e-5,
         collapse_check_every=0,
     )
-    device = torch.device("cpu")
+    device = torch.device(device_name)
     model, tokenizer = load_policy(model_dir, None, cfg, device)
     samples = [
         TokenizedSample(
@@ -109,12 +125,17 @@ def run_kaizen(model_dir: str, rows: list[dict[str, Any]], steps: int, threads: 
         "tokens": tokens,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
-        "peak_rss_mib": _peak_rss_mib(),
+        **_peaks(device_name),
     }
 
 
 def run_trl(
-    model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, gradient_checkpointing: bool
+    model_dir: str,
+    rows: list[dict[str, Any]],
+    steps: int,
+    threads: int,
+    device_name: str,
+    gradient_checkpointing: bool,
 ) -> dict[str, float]:
     import torch
     from datasets import Dataset
@@ -140,7 +161,7 @@ def run_trl(
             learning_rate=1e-5,
             bf16=True,
             gradient_checkpointing=gradient_checkpointing,  # GRPOConfig's default is True
-            use_cpu=True,
+            use_cpu=device_name == "cpu",
             report_to=[],
             save_strategy="no",
             logging_steps=1,
@@ -194,6 +215,8 @@ def run_trl(
                     "num_items_in_batch": torch.tensor(float(total_completion)),
                 }
             )
+        # `_prepare_inputs` would have put the batch where the model is; with it replaced, this does.
+        inputs = [{key: value.to(model.device) for key, value in batch.items()} for batch in inputs]
         tokens_per_step = sum(len(r["prompt"]) + len(r["completion"]) for r in rows)
 
         def step() -> None:
@@ -213,7 +236,7 @@ def run_trl(
         "tokens": tokens,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
-        "peak_rss_mib": _peak_rss_mib(),
+        **_peaks(device_name),
         "gradient_checkpointing": checkpointing,
     }
 
@@ -224,25 +247,25 @@ SIDES = ("kaizen", "trl", "trl-no-gc")
 
 
 def _child(
-    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, queue: Any
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str, queue: Any
 ) -> None:
     logging.disable(logging.WARNING)
     try:
         if side == "kaizen":
-            queue.put(run_kaizen(model_dir, rows, steps, threads))
+            queue.put(run_kaizen(model_dir, rows, steps, threads, device))
         else:
-            queue.put(run_trl(model_dir, rows, steps, threads, gradient_checkpointing=side == "trl"))
+            queue.put(run_trl(model_dir, rows, steps, threads, device, gradient_checkpointing=side == "trl"))
     except BaseException:
         queue.put({"error": traceback.format_exc()})
         raise
 
 
 def measure(
-    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str
 ) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(side, model_dir, rows, steps, threads, queue))
+    process = ctx.Process(target=_child, args=(side, model_dir, rows, steps, threads, device, queue))
     process.start()
     result: dict[str, Any] = queue.get()
     process.join()
@@ -259,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda where a GPU is present")
     parser.add_argument("--out", type=Path, default=Path("tests/bench/results/train.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -266,18 +290,25 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.base_models import pull_base_model
 
         args.model_dir = pull_base_model("smollm2-135m-instruct", args.model_dir.parent)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = make_data(str(args.model_dir), seed=0)
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    # On a GPU the memory that limits the batch is the device's; on a CPU it is the process's.
+    memory = "peak_gpu_mib" if args.device == "cuda" else "peak_rss_mib"
     for round_index in range(args.rounds):
         for side in SIDES:
-            result = measure(side, str(args.model_dir), rows, args.steps, args.threads)
+            result = measure(side, str(args.model_dir), rows, args.steps, args.threads, args.device)
             runs[side].append(result)
             logger.info(
-                "round %d %-9s %7.1f tokens/s  peak RSS %6.0f MiB",
+                "round %d %-9s %7.1f tokens/s  %s %6.0f",
                 round_index,
                 side,
                 result["tokens_per_s"],
-                result["peak_rss_mib"],
+                memory,
+                result[memory],
             )
     best = {side: max(results, key=lambda r: r["tokens_per_s"]) for side, results in runs.items()}
     # The headline ratio is taken against whichever TRL configuration was faster.
@@ -298,12 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
+        "device": args.device,
+        "gpu": _gpu_name() if args.device == "cuda" else None,
         "runs": runs,
         **{f"{side}_tokens_per_s": best[side]["tokens_per_s"] for side in SIDES},
-        **{f"{side}_peak_rss_mib": best[side]["peak_rss_mib"] for side in SIDES},
+        **{f"{side}_{memory}": best[side][memory] for side in SIDES},
         "compared_with": rival,
         "speedup": best["kaizen"]["tokens_per_s"] / best[rival]["tokens_per_s"],
-        "memory_ratio": best["kaizen"]["peak_rss_mib"] / best[rival]["peak_rss_mib"],
+        "memory_ratio": best["kaizen"][memory] / best[rival][memory],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -315,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         "| Kaizen's speed-up | | "
         + " | ".join(f"{kaizen['tokens_per_s'] / best[side]['tokens_per_s']:.2f}×" for side in SIDES[1:])
         + " |",
-        "| peak RSS (MiB) | " + " | ".join(f"{best[side]['peak_rss_mib']:.0f}" for side in SIDES) + " |",
+        f"| {memory} | " + " | ".join(f"{best[side][memory]:.0f}" for side in SIDES) + " |",
         "| Kaizen's memory | | "
-        + " | ".join(f"{kaizen['peak_rss_mib'] / best[side]['peak_rss_mib']:.2f}×" for side in SIDES[1:])
+        + " | ".join(f"{kaizen[memory] / best[side][memory]:.2f}×" for side in SIDES[1:])
         + " |",
     ]
     sys.stdout.write("\n".join(table) + "\n" + summary["method"] + "\n")
