@@ -50,7 +50,8 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 #: these short runs last) and a share of the GPU that leaves the trainer room in the same phase.
 ENGINE_ARGS = "--enforce-eager --gpu-memory-utilization 0.45"
 DEMO_ENGINE_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --enable-sleep-mode"
-_SLEEP_LINE = re.compile(r"(fall asleep|wake up|Sleep mode freed|sleep mode)", re.IGNORECASE)
+#: vLLM's own report of each sleep and wake: what was freed and how long each took.
+_SLEEP_LINE = re.compile(r"Sleep mode freed|seconds to fall asleep|seconds to wake up")
 
 
 def build_random_model(
