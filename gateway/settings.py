@@ -308,8 +308,9 @@ class Settings(BaseSettings):
     engine_sleep_during_training: bool = Field(
         False,
         description="One GPU for serving and training: put vLLM to sleep (`/sleep`, `/wake_up`; GPU builds "
-        "started with VLLM_SERVER_DEV_MODE=1) while a training child runs, so serving pauses during training. "
-        "Unsupported on CPU (logged; serving goes on).",
+        "started with VLLM_SERVER_DEV_MODE=1) while a training child runs, so serving pauses during training: "
+        "calls being answered finish first, and new ones wait until the engine wakes. Unsupported on CPU "
+        "(logged; serving goes on).",
     )
 
     # --- exposure and privacy

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 JobKind = Literal["judge", "train", "retention"]
 #: The job lock of the retention of calls no policy owns ('/' cannot be in a policy's name).
 UNOWNED_RETENTION_LOCK = "/retention"
+#: vLLM's sleep-mode endpoints around a training child: level 1 moves the weights to host memory and drops the
+#: KV cache; `mode=wait` drains the calls in flight and queues new ones until the wake.
+ENGINE_SLEEP_PATH = "/sleep?level=1&mode=wait"
+ENGINE_WAKE_PATH = "/wake_up"
 JOB_KINDS: tuple[JobKind, ...] = ("judge", "train", "retention")
 
 
@@ -441,11 +445,14 @@ class JobRunner:
         return latest if latest > before else None
 
     async def _engine_sleep(self, asleep: bool) -> None:
-        """Free the GPU for training (vLLM's /sleep, /wake_up: GPU builds with VLLM_SERVER_DEV_MODE=1)."""
+        """Free the GPU for training (vLLM's /sleep, /wake_up: GPU builds with VLLM_SERVER_DEV_MODE=1).
+
+        Without `mode=wait` vLLM aborts the calls it is answering (its default, `abort`); versions that predate
+        the parameter ignore it."""
         if not self.config.sleep_engine or not self.config.engine_url:
             return
         root = self.config.engine_url.rstrip("/").removesuffix("/v1")
-        path = "/sleep?level=1" if asleep else "/wake_up"
+        path = ENGINE_SLEEP_PATH if asleep else ENGINE_WAKE_PATH
         try:
             async with httpx.AsyncClient(timeout=120) as client:
                 response = await client.post(root + path)

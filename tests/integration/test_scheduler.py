@@ -7,9 +7,11 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +197,67 @@ def test_paused_schedule_runs_nothing(database_url: str, tmp_path: Path) -> None
 
     runs, jobs = asyncio.run(scenario())
     assert runs == 1 and jobs == []
+
+
+class EngineRecorder(BaseHTTPRequestHandler):
+    """A scripted vLLM sleep API: answers 200 and records each request, in order, on its server."""
+
+    def _record(self) -> None:
+        self.server.requests.append(f"{self.command} {self.path}")  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST = _record
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
+    database_url: str, tmp_path: Path
+) -> None:
+    """One GPU shared by serving and training: the engine is put to sleep in `wait` mode (calls in flight
+    finish, new ones queue) before the training child starts, and woken after it, here after a failed child."""
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), EngineRecorder)
+    engine.requests = []  # type: ignore[attr-defined]
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{engine.server_port}"
+    # The child tells the engine it runs (so the order is recorded in one place), then fails.
+    child = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1]).read(); sys.exit(3)"
+
+    async def scenario() -> str | None:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                await create_policy(session, "shared-gpu", "base", {})
+                await session.commit()
+            config = RunnerConfig(
+                data_dir=tmp_path,
+                judge=JudgeSettings(model=""),
+                train_command=[sys.executable, "-c", child, f"{root}/child"],
+                child_env={},
+                gate_url="http://127.0.0.1:9/v1",
+                engine_url=f"{root}/v1",
+                sleep_engine=True,
+            )
+            info = await JobRunner(database, config).run("shared-gpu", "train")
+            return info.status if info is not None else None
+        finally:
+            await database.dispose()
+
+    try:
+        status = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert status == "failed"
+    assert engine.requests == [  # type: ignore[attr-defined]
+        "POST /sleep?level=1&mode=wait",
+        "GET /child",
+        "POST /wake_up",
+    ]
 
 
 def test_retention_never_touches_active_pinned_or_rollback_versions(
