@@ -46,10 +46,15 @@ def autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
+def uses_unsloth(device: torch.device) -> bool:
+    """Unsloth loads the base on a CUDA device where it is installed (the `gpu` extra)."""
+    return device.type == "cuda" and importlib.util.find_spec("unsloth") is not None
+
+
 def _load_base(base_path: str, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
-    if device.type == "cuda" and importlib.util.find_spec("unsloth") is not None:
+    if uses_unsloth(device):
         from unsloth import FastLanguageModel  # type: ignore[import-not-found]
 
         logger.info("loading %s with Unsloth", base_path)
@@ -66,6 +71,10 @@ def load_policy(
     base_path: str, adapter_path: str | None, cfg: TrainConfig, device: torch.device
 ) -> tuple[Any, Any]:
     """Base model with the active adapter (trainable), or a fresh LoRA when the policy has no version yet."""
+    if uses_unsloth(device):
+        # Unsloth patches transformers' and PEFT's classes when imported: it must come before them (on the H100
+        # it warned "Unsloth should be imported before [transformers, peft]" when it did not).
+        import unsloth  # type: ignore[import-not-found]  # noqa: F401
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoTokenizer
 
