@@ -5,7 +5,10 @@ and every request goes through the engine's own client, so the numbers are what 
 is greedy with ``ignore_eos`` and a fixed ``max_tokens``, so every request produces the same number of tokens
 whatever the model says; base and LoRA rounds alternate so drift (other load on the machine) hits both alike.
 The LoRA is the gateway's own version-0 adapter (``build_initial_adapter``) with random non-zero ``lora_B``,
-so vLLM really applies it.
+so vLLM really applies it. Hot reload under load (``--hot-streams``): that many streams keep generating through
+the LoRA while new adapter versions are loaded one every ``--hot-interval-s``, the way a promotion loads the
+candidate while traffic is served; it reports each load, the first request on each new version, and the
+streams' throughput and request times in a window without loads against one of the same length with them.
 
     python -m tests.bench.bench_engine [--out tests/bench/results/engine.json]
 """
@@ -186,6 +189,119 @@ async def measure_adapter_loads(
     }
 
 
+@dataclass(frozen=True)
+class Finished:
+    """One request of the background streams: when it ended, how long it took, what it produced."""
+
+    ended: float
+    seconds: float
+    tokens: int
+    error: str | None
+
+
+def window_stats(requests: Sequence[Finished], start: float, end: float) -> dict[str, Any]:
+    """Throughput in [start, end) and the times of the requests that ended in it.
+
+    Each request's tokens count in proportion to the share of its run inside the window: streams that start
+    together finish in waves, and counting whole requests by their end would measure the waves, not the rate."""
+    tokens = 0.0
+    for r in requests:
+        if r.error is None and r.seconds > 0:
+            overlap = min(end, r.ended) - max(start, r.ended - r.seconds)
+            tokens += r.tokens * max(0.0, overlap) / r.seconds
+    inside = [r for r in requests if start <= r.ended < end]
+    times = sorted(r.seconds for r in inside if r.error is None)
+    return {
+        "seconds": end - start,
+        "requests": len(inside),
+        "errors": sum(r.error is not None for r in inside),
+        "tok_s": tokens / (end - start),
+        "request_median_s": statistics.median(times) if times else None,
+        "request_max_s": times[-1] if times else None,
+    }
+
+
+async def measure_hot_reload(
+    engine: VLLMEngine, serving: str, adapters: Sequence[Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Load new adapter versions while `args.hot_streams` streams generate through `serving`.
+
+    The window without loads comes first and lasts as long as the loads do, so both see the same warm engine."""
+    finished: list[Finished] = []
+    stop = asyncio.Event()
+    warm = asyncio.Event()  # every stream has finished one request before either window opens
+
+    async def stream(worker: int) -> None:
+        index = 0
+        while not stop.is_set():
+            started = time.perf_counter()
+            error: str | None = None
+            tokens = 0
+            try:
+                response = await engine.chat(chat_body(serving, worker * 10_000 + index, args.max_tokens))
+                tokens = int(response["usage"]["completion_tokens"])
+            except Exception as exc:  # counted: a load must not fail a request in flight
+                error = repr(exc)
+            now = time.perf_counter()
+            finished.append(Finished(now, now - started, tokens, error))
+            if len(finished) >= args.hot_streams:
+                warm.set()
+            index += 1
+
+    workers = [asyncio.create_task(stream(worker)) for worker in range(args.hot_streams)]
+    loads, first = [], []
+    try:
+        await warm.wait()
+        window = args.hot_interval_s * len(adapters)
+        quiet_start = time.perf_counter()
+        await asyncio.sleep(window)
+        loads_start = time.perf_counter()
+        for index, path in enumerate(adapters, start=1):
+            due = loads_start + (index - 1) * args.hot_interval_s
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            name = f"{ADAPTER_PREFIX}-hot@{index}"
+            started = time.perf_counter()
+            await engine.load_adapter(name, str(path))
+            loads.append(time.perf_counter() - started)
+            first.append(await one_token_latency(engine, name))
+            logger.info(
+                "under load: %s loaded in %.3f s, its first 1-token request %.3f s",
+                name,
+                loads[-1],
+                first[-1],
+            )
+        await asyncio.sleep(max(0.0, loads_start + window - time.perf_counter()))
+        loads_end = time.perf_counter()
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+    quiet = window_stats(finished, quiet_start, loads_start)
+    loaded = window_stats(finished, loads_start, loads_end)
+    errors = [r.error for r in finished if r.error is not None]
+    logger.info(
+        "hot reload under %d streams: %.1f tok/s without loads, %.1f with; %d request error(s)",
+        args.hot_streams,
+        quiet["tok_s"],
+        loaded["tok_s"],
+        len(errors),
+    )
+    return {
+        "streams": args.hot_streams,
+        "interval_s": args.hot_interval_s,
+        "load_s": loads,
+        "load_mean_s": statistics.fmean(loads),
+        "load_max_s": max(loads),
+        "first_one_token_s": first,
+        "first_one_token_max_s": max(first),
+        "without_loads": quiet,
+        "with_loads": loaded,
+        "tok_s_ratio": loaded["tok_s"] / quiet["tok_s"] if quiet["tok_s"] else None,
+        "requests": len(finished),
+        "request_errors": len(errors),
+        "first_errors": errors[:3],
+    }
+
+
 def vllm_env_versions(python: str) -> dict[str, str]:
     """Versions in vLLM's own environment, which is not the one this benchmark runs in."""
     code = "import torch, vllm, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
@@ -207,7 +323,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     )
     base_path = resolve_base_model(settings.base_model, settings.data_dir / "models")
     with tempfile.TemporaryDirectory(prefix="kaizen-bench-engine-") as tmp:
-        adapters = make_adapters(base_path, Path(tmp) / "adapters", 1 + args.new_adapters, args.lora_rank)
+        hot = args.hot_adapters if args.hot_streams else 0
+        adapters = make_adapters(
+            base_path, Path(tmp) / "adapters", 1 + args.new_adapters + hot, args.lora_rank
+        )
         engine = build_vllm_engine(settings)
         if not isinstance(engine, VLLMEngine) or engine.launch is None:
             raise RuntimeError("the settings did not produce a vLLM engine the gateway starts itself")
@@ -224,7 +343,13 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for model in (served, lora):  # first calls compile/allocate; not part of the measurement
                 await generate(engine, model, max(args.streams), 16)
             per_round = await measure_throughput(engine, {"base": served, "lora": lora}, args)
-            loads = await measure_adapter_loads(engine, adapters[1:], served, args.latency_repeats)
+            new = adapters[1 : 1 + args.new_adapters]
+            loads = await measure_adapter_loads(engine, new, served, args.latency_repeats)
+            hot_reload = (
+                await measure_hot_reload(engine, lora, adapters[1 + args.new_adapters :], args)
+                if hot
+                else None
+            )
             if engine.restarts:
                 raise RuntimeError(f"vLLM restarted {engine.restarts} time(s) during the benchmark")
         except BaseException:
@@ -262,6 +387,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "startup_s": startup_s,
         "throughput": throughput,
         "adapters": loads,
+        "hot_reload": hot_reload,
     }
 
 
@@ -286,6 +412,20 @@ def format_table(results: dict[str, Any]) -> str:
         f"{'  first on a fresh adapter (mean)':<40} {loads['fresh_adapter_first_one_token_mean_s']:>8.3f} s"
         f"   x{loads['first_request_ratio']:.2f} base",
         f"{'  second on that adapter (mean)':<40} {loads['fresh_adapter_second_one_token_mean_s']:>8.3f} s",
+    ]
+    hot = results.get("hot_reload")
+    if hot:
+        quiet, loaded = hot["without_loads"], hot["with_loads"]
+        lines += [
+            f"hot reload under {hot['streams']} LoRA streams, a load every {hot['interval_s']:.1f} s:",
+            f"{'  adapter load, mean / max':<40} {hot['load_mean_s']:>8.3f} {hot['load_max_s']:>8.3f} s",
+            f"{'  first 1-token request on it, max':<40} {hot['first_one_token_max_s']:>8.3f} s",
+            f"{'  streams tok/s without / with loads':<40} {quiet['tok_s']:>8.1f} {loaded['tok_s']:>8.1f}",
+            f"{'  request median s without / with':<40} {quiet['request_median_s'] or 0:>8.2f} "
+            f"{loaded['request_median_s'] or 0:>8.2f}",
+            f"{'  requests, errors':<40} {hot['requests']:>8d} {hot['request_errors']:>8d}",
+        ]
+    lines += [
         f"greedy, {results['settings']['max_tokens']} tokens per request with ignore_eos; "
         f"{results['settings']['rounds']} alternating base/LoRA rounds",
     ]
@@ -312,12 +452,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--new-adapters", type=int, default=3, help="adapter names loaded for the load timing"
     )
     parser.add_argument("--latency-repeats", type=int, default=3, help="base-model 1-token requests timed")
+    parser.add_argument(
+        "--hot-streams", type=int, default=4, help="streams generating during hot reloads (0: skip that part)"
+    )
+    parser.add_argument("--hot-adapters", type=int, default=4, help="adapter versions loaded under load")
+    parser.add_argument("--hot-interval-s", type=float, default=3.0, help="seconds between those loads")
     args = parser.parse_args(argv)
     if (
         min(args.streams) < 1
-        or min(args.rounds, args.new_adapters, args.latency_repeats, args.max_tokens) < 1
+        or min(args.rounds, args.new_adapters, args.latency_repeats, args.max_tokens, args.hot_adapters) < 1
+        or args.hot_streams < 0
+        or args.hot_interval_s <= 0
     ):
-        parser.error("streams, rounds, adapters, repeats and max tokens must be positive")
+        parser.error(
+            "streams, rounds, adapters, repeats, max tokens and the hot-reload interval must be positive"
+        )
     return args
 
 

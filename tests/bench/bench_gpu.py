@@ -1,23 +1,28 @@
 """The GPU path on one CUDA machine: serving, hot reload, training and the whole loop, with memory traced.
 
 Each phase runs as its own process, the way a user runs it, while `nvidia-smi` samples the GPU's memory every
-half second; the summary gives each phase's peak and what it printed. The phases:
+half second; the summary (rewritten after each phase) gives each phase's peak and what it printed. The phases,
+run in the order ``--phases`` names them:
 
 1. ``model``: a real-size Llama-shaped model with random weights (``--shape``) built from a config on the GPU,
    with the embedded model's tokenizer and chat template (no model hub is needed).
 2. ``engine``: ``bench_engine`` against it: vLLM's CUDA build started as the gateway starts it, generation
-   throughput through the base model and through a LoRA adapter at each ``--streams``, and adapter loads.
+   throughput through the base model and through a LoRA adapter at each ``--streams``, adapter loads, and hot
+   reload under load (``--hot-streams`` LoRA streams running while new adapter versions are loaded).
 3. ``train``: ``bench_train`` on it: Kaizen's GRPO update against TRL's on the same batch, on the GPU.
-4. ``demo``: ``kaizen demo`` with the embedded model, the engine put to sleep while each training child runs
+4. ``unsloth``: Kaizen's update alone with the base loaded through Unsloth (``--unsloth-site``: a directory
+   where the ``gpu`` extra is installed, put first on that phase's path).
+5. ``demo``: ``kaizen demo`` with the embedded model, the engine put to sleep while each training child runs
    (``KAIZEN_ENGINE_SLEEP_DURING_TRAINING``), so traffic, rewards, training, the gate and hot reloads of the
-   promoted adapters all run on the one GPU.
+   promoted adapters all run on the one GPU. Preparing the model, vLLM's start-up with sleep mode and each
+   training round (which samples with the trainer's own copy while the engine sleeps) took 50 s, 95 s and
+   100 s on an H100, so give it ``--demo-minutes`` to match.
 
-    python -m tests.bench.bench_gpu --out-dir tests/bench/results/gpu [--phases model engine train demo]
+    python -m tests.bench.bench_gpu --out-dir tests/bench/results/gpu [--phases model engine train unsloth demo]
 
 It needs vLLM's CUDA build in the Python it runs under (``make install-vllm VLLM_BUILD=gpu`` puts it in
 ``.venv-vllm``; pass that interpreter as ``KAIZEN_VLLM_PYTHON``). Random weights make the served text noise;
-throughput and memory do not depend on it.
-"""
+throughput and memory do not depend on it."""
 
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from typing import Any
 
 logger = logging.getLogger("bench_gpu")
 
-PHASES = ("model", "engine", "train", "demo")
+PHASES = ("model", "engine", "train", "unsloth", "demo")
 #: Llama-shaped models by their size with the embedded tokenizer (49,152 tokens): hidden size, layers,
 #: attention heads, key/value heads and MLP width, as the public 1B, 3B and 8B models of that family have.
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -198,9 +203,8 @@ def sleep_lines(data_dir: Path) -> list[str]:
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the phases in the order given; the summary is rewritten after each, so a cut-off run keeps its news."""
     import torch
-
-    from gateway.base_models import pull_base_model
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
@@ -208,9 +212,6 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     work: Path = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    python = sys.executable
-    env = {**os.environ, "KAIZEN_VLLM_PYTHON": os.environ.get("KAIZEN_VLLM_PYTHON", python)}
-    model_dir = work / f"random-{args.shape}"
     summary: dict[str, Any] = {
         "benchmark": "gpu path",
         "gpu": gpu_query("name"),
@@ -223,54 +224,117 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "phases": {},
     }
     with MemoryTrace(out / "gpu-memory.csv") as trace:
-        if "model" in args.phases:
-            trace.phase = "model"
-            tokenizer_dir = args.tokenizer_from or pull_base_model("smollm2-135m-instruct", work / "models")
-            summary["model"] = build_random_model(args.shape, Path(tokenizer_dir), model_dir)
-            summary["phases"]["model"] = {"peak_gpu_mib": trace.peak("model")}
-            trace.phase = "idle"
-            logger.info("random model: %s", summary["model"])
-        if "engine" in args.phases:
-            phase = run_phase(
-                "engine",
-                [python, "-m", "tests.bench.bench_engine", "--base-model", str(model_dir),
-                 "--data-dir", str(work / "engine-data"), "--out", str(out / "engine.json"),
-                 "--streams", *[str(s) for s in args.streams], "--rounds", str(args.rounds),
-                 "--max-tokens", str(args.max_tokens)],
-                env | {"KAIZEN_VLLM_EXTRA_ARGS": args.engine_args},
-                args.phase_timeout_s, trace, out,
-            )  # fmt: skip
-            summary["phases"]["engine"] = phase.__dict__
-        if "train" in args.phases:
-            phase = run_phase(
-                "train",
-                [python, "-m", "tests.bench.bench_train", "--model-dir", str(model_dir), "--device", "cuda",
-                 "--steps", str(args.train_steps), "--rounds", "1", "--out", str(out / "train.json")],
-                env, args.phase_timeout_s, trace, out,
-            )  # fmt: skip
-            summary["phases"]["train"] = phase.__dict__
-        if "demo" in args.phases:
-            demo_out = work / "demo"  # its database and adapters stay there; the report is copied to out
-            phase = run_phase(
-                "demo",
-                [python, "-m", "gateway", "demo", "--out", str(demo_out), "--data-dir", str(work),
-                 "--minutes", str(args.demo_minutes), "--rate", str(args.demo_rate),
-                 "--concurrency", str(args.demo_concurrency), "--task", args.demo_task],
-                env | {
-                    "KAIZEN_VLLM_EXTRA_ARGS": args.demo_engine_args,
-                    "KAIZEN_ENGINE_SLEEP_DURING_TRAINING": "true",
-                    "VLLM_SERVER_DEV_MODE": "1",
-                },
-                args.demo_minutes * 60 + args.phase_timeout_s, trace, out,
-            )  # fmt: skip
-            summary["phases"]["demo"] = phase.__dict__ | {"engine_sleep": sleep_lines(demo_out / "data")}
-            for name in ("demo.json", "demo.png"):
-                if (demo_out / name).is_file():
-                    shutil.copy(demo_out / name, out / name)
-    for name in ("engine", "train", "demo"):
-        if (out / f"{name}.json").is_file():
-            summary[f"{name}_results"] = json.loads((out / f"{name}.json").read_text())
+        for name in args.phases:
+            PHASE_RUNNERS[name](args, summary, trace)
+            for result in ("engine", "train", "demo", "unsloth-train"):
+                if (out / f"{result}.json").is_file():
+                    summary[f"{result.replace('-', '_')}_results"] = json.loads(
+                        (out / f"{result}.json").read_text()
+                    )
+            write_summary(out, summary)
     return summary
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _base_env() -> dict[str, str]:
+    return {**os.environ, "KAIZEN_VLLM_PYTHON": os.environ.get("KAIZEN_VLLM_PYTHON", sys.executable)}
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    return Path(args.work_dir) / f"random-{args.shape}"
+
+
+def phase_model(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
+    from gateway.base_models import pull_base_model
+
+    trace.phase = "model"
+    tokenizer_dir = args.tokenizer_from or pull_base_model("smollm2-135m-instruct", args.work_dir / "models")
+    summary["model"] = build_random_model(args.shape, Path(tokenizer_dir), _model_dir(args))
+    summary["phases"]["model"] = {"peak_gpu_mib": trace.peak("model")}
+    trace.phase = "idle"
+    logger.info("random model: %s", summary["model"])
+
+
+def phase_engine(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
+    phase = run_phase(
+        "engine",
+        [sys.executable, "-m", "tests.bench.bench_engine", "--base-model", str(_model_dir(args)),
+         "--data-dir", str(args.work_dir / "engine-data"), "--out", str(args.out_dir / "engine.json"),
+         "--streams", *[str(s) for s in args.streams], "--rounds", str(args.rounds),
+         "--max-tokens", str(args.max_tokens), "--hot-streams", str(args.hot_streams),
+         "--hot-adapters", str(args.hot_adapters), "--hot-interval-s", str(args.hot_interval_s)],
+        _base_env() | {"KAIZEN_VLLM_EXTRA_ARGS": args.engine_args},
+        args.phase_timeout_s, trace, args.out_dir,
+    )  # fmt: skip
+    summary["phases"]["engine"] = phase.__dict__
+
+
+def phase_train(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
+    phase = run_phase(
+        "train",
+        [sys.executable, "-m", "tests.bench.bench_train", "--model-dir", str(_model_dir(args)),
+         "--device", "cuda", "--steps", str(args.train_steps), "--rounds", "1",
+         "--out", str(args.out_dir / "train.json")],
+        _base_env(), args.phase_timeout_s, trace, args.out_dir,
+    )  # fmt: skip
+    summary["phases"]["train"] = phase.__dict__
+
+
+def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
+    """Kaizen's update with the base loaded through Unsloth: `trainer.model` picks it where it is importable."""
+    env = _base_env()
+    if args.unsloth_site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.unsloth_site), env.get("PYTHONPATH")]))
+    probe = [
+        sys.executable,
+        "-c",
+        "import importlib.util, sys; sys.exit(importlib.util.find_spec('unsloth') is None)",
+    ]
+    if subprocess.run(probe, env=env, check=False).returncode != 0:
+        reason = "Unsloth is not installed: `pip install '.[gpu]'`, or pass --unsloth-site"
+        logger.error("phase unsloth skipped: %s", reason)
+        summary["phases"]["unsloth"] = {"name": "unsloth", "skipped": reason}
+        return
+    phase = run_phase(
+        "unsloth",
+        [sys.executable, "-m", "tests.bench.bench_train", "--model-dir", str(_model_dir(args)),
+         "--device", "cuda", "--steps", str(args.train_steps), "--rounds", "1", "--sides", "kaizen",
+         "--out", str(args.out_dir / "unsloth-train.json")],
+        env, args.phase_timeout_s, trace, args.out_dir,
+    )  # fmt: skip
+    summary["phases"]["unsloth"] = phase.__dict__
+
+
+def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
+    demo_out = args.work_dir / "demo"  # its database and adapters stay there; the report is copied to out
+    phase = run_phase(
+        "demo",
+        [sys.executable, "-m", "gateway", "demo", "--out", str(demo_out), "--data-dir", str(args.work_dir),
+         "--minutes", str(args.demo_minutes), "--rate", str(args.demo_rate),
+         "--concurrency", str(args.demo_concurrency), "--task", args.demo_task],
+        _base_env() | {
+            "KAIZEN_VLLM_EXTRA_ARGS": args.demo_engine_args,
+            "KAIZEN_ENGINE_SLEEP_DURING_TRAINING": "true",
+            "VLLM_SERVER_DEV_MODE": "1",
+        },
+        args.demo_minutes * 60 + args.phase_timeout_s, trace, args.out_dir,
+    )  # fmt: skip
+    summary["phases"]["demo"] = phase.__dict__ | {"engine_sleep": sleep_lines(demo_out / "data")}
+    for name in ("demo.json", "demo.png"):
+        if (demo_out / name).is_file():
+            shutil.copy(demo_out / name, args.out_dir / name)
+
+
+PHASE_RUNNERS = {
+    "model": phase_model,
+    "engine": phase_engine,
+    "train": phase_train,
+    "unsloth": phase_unsloth,
+    "demo": phase_demo,
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -279,16 +343,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--work-dir", type=Path, default=Path("kaizen-data/bench-gpu"), help="models and data"
     )
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument(
+        "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="run in the order given"
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="3b")
     parser.add_argument("--tokenizer-from", type=Path, help="model directory (default: the embedded model)")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--hot-streams", type=int, default=32, help="streams served during hot reloads")
+    parser.add_argument("--hot-adapters", type=int, default=5, help="adapter versions loaded under load")
+    parser.add_argument("--hot-interval-s", type=float, default=3.0)
     parser.add_argument("--train-steps", type=int, default=3)
+    parser.add_argument(
+        "--unsloth-site",
+        type=Path,
+        help="a directory with Unsloth installed, put first on the path of that phase",
+    )
     parser.add_argument("--engine-args", default=ENGINE_ARGS, help="vLLM flags for the engine phase")
     parser.add_argument("--demo-engine-args", default=DEMO_ENGINE_ARGS, help="vLLM flags for the demo")
-    parser.add_argument("--demo-minutes", type=float, default=2.5)
+    parser.add_argument("--demo-minutes", type=float, default=10.0)
     parser.add_argument("--demo-rate", type=float, default=4.0)
     parser.add_argument("--demo-concurrency", type=int, default=16)
     parser.add_argument("--demo-task", default="opposites")
@@ -299,10 +373,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
-    summary = benchmark(args)
-    path = args.out_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    logger.info("summary written to %s", path)
+    benchmark(args)
+    logger.info("summary written to %s", args.out_dir / "summary.json")
 
 
 if __name__ == "__main__":
