@@ -6,6 +6,8 @@ the gateway's OpenAI-compatible URL, with ``X-Kaizen-No-Log`` so nothing is capt
 collapse signals of the candidate's replies must stay within `CollapseBounds` of the active version's. Movement
 bounds (length, entropy) are waived for a candidate whose healthy replies earned more than the active version's
 on the same contexts (`trainer.collapse.backed_by_reward`): terse because terse is right is not collapse.
+With `gate.seed` set, both versions answer each context with the same seed (`context_seed`): a paired comparison on
+the same random draws, which a rerun on the same versions and contexts repeats.
 
 Held-out contexts come from rewarded episodes the run did not train on: episodes outside the run's data
 window, and episodes whose group hashes into the held-out fraction (`is_held_out`), which training should
@@ -156,7 +158,9 @@ class VersionSampler:
         self.config = config
         self.wait_for_version_s = wait_for_version_s
 
-    async def sample(self, client: httpx.AsyncClient, model: str, context: Context) -> list[dict[str, Any]]:
+    async def sample(
+        self, client: httpx.AsyncClient, model: str, context: Context, seed: int | None = None
+    ) -> list[dict[str, Any]]:
         body: dict[str, Any] = {
             "model": model,
             "messages": context.messages,
@@ -165,10 +169,23 @@ class VersionSampler:
             "max_tokens": self.config.max_tokens,
             "temperature": self.config.temperature,
         }
+        if seed is not None:
+            body["seed"] = seed
         if context.tools:
             body["tools"] = context.tools
         answer = await post_completion(client, self.url, body, self.headers, self.wait_for_version_s)
         return [_reply_message(choice) for choice in answer["choices"]]
+
+
+def context_seed(seed: int | None, context: Context) -> int | None:
+    """The seed both versions sample `context` with: drawn from `gate.seed` and what the context asks, so it
+    does not depend on which other contexts the gate evaluates or in what order; None when `gate.seed` is unset.
+
+    A 31-bit number: with the j-th of n replies seeded seed + j (vLLM), it stays within any engine's seeds."""
+    if seed is None:
+        return None
+    asked = json.dumps([seed, context.messages, context.tools], sort_keys=True, default=str)
+    return int.from_bytes(hashlib.sha256(asked.encode()).digest()[:4], "big") >> 1
 
 
 def _mean(values: list[float]) -> float:
@@ -214,9 +231,10 @@ async def evaluate(
     timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout) as client:
         for index, context in enumerate(contexts):
+            seed = context_seed(config.seed, context)
             replies = await asyncio.gather(
-                sampler.sample(client, f"{policy}@{candidate}", context),
-                sampler.sample(client, f"{policy}@{active}", context),
+                sampler.sample(client, f"{policy}@{candidate}", context, seed),
+                sampler.sample(client, f"{policy}@{active}", context, seed),
             )
             trajectories, owners = [], []
             for version, version_replies in zip((candidate, active), replies, strict=True):

@@ -381,6 +381,14 @@ class GateConfig(_Section):
     )
     max_tokens: int = Field(128, ge=1, description="Reply length cap when sampling.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of both versions.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**31 - 1,
+        description="Seeds the sampling: both versions answer a context with one seed, drawn from this and the "
+        "context's messages, so they are compared on the same random draws and a rerun on the same versions and "
+        "contexts gets the same replies (from an engine that honours `seed`, as vLLM does); null: unseeded.",
+    )
     tolerance: float = Field(
         0.02, ge=0, description="The candidate's mean reward may be at most this much below the active one's."
     )
