@@ -51,10 +51,10 @@ def uses_unsloth(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("unsloth") is not None
 
 
-def _load_base(base_path: str, device: torch.device) -> Any:
+def _load_base(base_path: str, device: torch.device, with_unsloth: bool) -> Any:
     from transformers import AutoModelForCausalLM
 
-    if uses_unsloth(device):
+    if with_unsloth:
         from unsloth import FastLanguageModel  # type: ignore[import-not-found]
 
         logger.info("loading %s with Unsloth", base_path)
@@ -71,7 +71,8 @@ def load_policy(
     base_path: str, adapter_path: str | None, cfg: TrainConfig, device: torch.device
 ) -> tuple[Any, Any]:
     """Base model with the active adapter (trainable), or a fresh LoRA when the policy has no version yet."""
-    if uses_unsloth(device):
+    with_unsloth = uses_unsloth(device)
+    if with_unsloth:
         # Unsloth patches transformers' and PEFT's classes when imported: it must come before them (on the H100
         # it warned "Unsloth should be imported before [transformers, peft]" when it did not).
         import unsloth  # type: ignore[import-not-found]  # noqa: F401
@@ -82,7 +83,7 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(base_path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    base = _load_base(base_path, device)
+    base = _load_base(base_path, device, with_unsloth)
     if adapter_path is not None:
         logger.info("loading adapter %s", adapter_path)
         model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)

@@ -94,7 +94,7 @@ def run_kaizen(
 
     from trainer.batch import TokenizedSample
     from trainer.grpo import run_update
-    from trainer.model import load_policy
+    from trainer.model import load_policy, uses_unsloth
 
     torch.set_num_threads(threads)
     cfg = TrainConfig(
@@ -125,8 +125,7 @@ def run_kaizen(
         "tokens": tokens,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
-        # trainer.model loads the base through Unsloth on a CUDA device where it is installed.
-        "loader": "unsloth" if "unsloth" in sys.modules else "transformers",
+        "loader": "unsloth" if uses_unsloth(device) else "transformers",
         **_peaks(device_name),
     }
 
