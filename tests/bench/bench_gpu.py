@@ -226,17 +226,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     with MemoryTrace(out / "gpu-memory.csv") as trace:
         for name in args.phases:
             PHASE_RUNNERS[name](args, summary, trace)
-            for result in ("engine", "train", "demo", "unsloth-train"):
-                if (out / f"{result}.json").is_file():
-                    summary[f"{result.replace('-', '_')}_results"] = json.loads(
-                        (out / f"{result}.json").read_text()
-                    )
-            write_summary(out, summary)
+            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def write_summary(out: Path, summary: dict[str, Any]) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def add_results(summary: dict[str, Any], name: str, path: Path) -> None:
+    """What a phase's benchmark wrote, under `<name>_results`; a phase that wrote nothing adds nothing (a file
+    from an earlier run is not this run's)."""
+    if path.is_file():
+        summary[f"{name}_results"] = json.loads(path.read_text())
 
 
 def _base_env() -> dict[str, str]:
@@ -270,17 +268,31 @@ def phase_engine(args: argparse.Namespace, summary: dict[str, Any], trace: Memor
         args.phase_timeout_s, trace, args.out_dir,
     )  # fmt: skip
     summary["phases"]["engine"] = phase.__dict__
+    add_results(summary, "engine", args.out_dir / "engine.json")
+
+
+def run_bench_train(
+    args: argparse.Namespace,
+    summary: dict[str, Any],
+    trace: MemoryTrace,
+    name: str,
+    env: dict[str, str],
+    extra: list[str],
+) -> None:
+    """`bench_train` on the random model on the GPU as phase `name`, its results in `<name>.json`."""
+    result = args.out_dir / f"{name}.json"
+    phase = run_phase(
+        name,
+        [sys.executable, "-m", "tests.bench.bench_train", "--model-dir", str(_model_dir(args)),
+         "--device", "cuda", "--steps", str(args.train_steps), "--rounds", "1", *extra, "--out", str(result)],
+        env, args.phase_timeout_s, trace, args.out_dir,
+    )  # fmt: skip
+    summary["phases"][name] = phase.__dict__
+    add_results(summary, name, result)
 
 
 def phase_train(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
-    phase = run_phase(
-        "train",
-        [sys.executable, "-m", "tests.bench.bench_train", "--model-dir", str(_model_dir(args)),
-         "--device", "cuda", "--steps", str(args.train_steps), "--rounds", "1",
-         "--out", str(args.out_dir / "train.json")],
-        _base_env(), args.phase_timeout_s, trace, args.out_dir,
-    )  # fmt: skip
-    summary["phases"]["train"] = phase.__dict__
+    run_bench_train(args, summary, trace, "train", _base_env(), [])
 
 
 def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
@@ -298,14 +310,7 @@ def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: Memo
         logger.error("phase unsloth skipped: %s", reason)
         summary["phases"]["unsloth"] = {"name": "unsloth", "skipped": reason}
         return
-    phase = run_phase(
-        "unsloth",
-        [sys.executable, "-m", "tests.bench.bench_train", "--model-dir", str(_model_dir(args)),
-         "--device", "cuda", "--steps", str(args.train_steps), "--rounds", "1", "--sides", "kaizen",
-         "--out", str(args.out_dir / "unsloth-train.json")],
-        env, args.phase_timeout_s, trace, args.out_dir,
-    )  # fmt: skip
-    summary["phases"]["unsloth"] = phase.__dict__
+    run_bench_train(args, summary, trace, "unsloth", env, ["--sides", "kaizen"])
 
 
 def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
@@ -326,6 +331,7 @@ def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryT
     for name in ("demo.json", "demo.png"):
         if (demo_out / name).is_file():
             shutil.copy(demo_out / name, args.out_dir / name)
+    add_results(summary, "demo", demo_out / "demo.json")
 
 
 PHASE_RUNNERS = {
