@@ -142,11 +142,23 @@ class JobRunner:
     async def run(
         self, policy: str, kind: JobKind, trigger: str = "manual", slot_start: datetime | None = None
     ) -> RunInfo | None:
-        """Run a job to its end; None when another job of the policy holds the lock, or when `slot_start` is
-        given and a run of this kind started at or after it (the slot's run happened elsewhere already)."""
+        """Run a job to its end; None when another job of the policy holds the lock, when `slot_start` is given
+        and a run of this kind started at or after it (the slot's run happened elsewhere already), or when
+        `close` interrupted it."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        # A task of the runner's own, so that `close` ends a scheduled job too, while the engine and the
+        # database are still up (the loop's teardown would cancel it only after they are gone).
+        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, slot_start))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         try:
-            run_id = await self._execute(policy, kind, trigger, announced, slot_start)
+            run_id = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this caller was cancelled (and the job with it)
+            logger.info("%s job of %s interrupted: the scheduler is stopping", kind, policy)
+            return None
         except JobAlreadyRan:
             logger.info("%s job of %s skipped: it ran in this slot of its schedule already", kind, policy)
             return None
@@ -631,10 +643,15 @@ class PolicyScheduler:
             logger.exception("could not create the coming days' call partitions")
 
     async def stop(self) -> None:
+        """No new firings, then the running jobs end through the runner (a training child killed, its run
+        recorded, the engine woken), then the scheduler goes: shut down first, it would cancel them itself and
+        log each as a failed job."""
+        if self._scheduler is not None:
+            self._scheduler.pause()
+        await self.runner.close()
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
-        await self.runner.close()
 
     async def roll_up(self) -> None:
         """Keep the dashboard's rollup current (one replica at a time; the others find it busy or fresh)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -26,7 +28,7 @@ from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.conftest import query
-from tests.support.polling import wait_until_async
+from tests.support.polling import wait_until, wait_until_async
 from trainer.ruler import JudgeSettings
 from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
@@ -258,6 +260,116 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
         "GET /child",
         "POST /wake_up",
     ]
+
+
+# A training child that records its run as the trainer does, tells the engine it runs, then trains "forever".
+LONG_CHILD = """
+import asyncio, os, sys, time, urllib.request
+from storage.database import Database
+from storage.jobs import start_job_run
+
+async def record() -> None:
+    database = Database(sys.argv[1])
+    async with database.session() as session:
+        await start_job_run(session, int(sys.argv[2]), "train", None, {})
+        await session.commit()
+    await database.dispose()
+
+asyncio.run(record())
+urllib.request.urlopen(sys.argv[3]).read()
+open(sys.argv[4], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and_wakes_the_engine(
+    database_url: str, tmp_path: Path, caplog: Any
+) -> None:
+    """A gateway shut down while its scheduled training runs: the scheduler's stop ends the job itself, before
+    the engine and the database go (the child killed, its run marked failed, the engine woken), and nothing is
+    logged as an error: the run is interrupted, not broken."""
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), EngineRecorder)
+    engine.requests = []  # type: ignore[attr-defined]
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{engine.server_port}"
+    pid_file = tmp_path / "child.pid"
+    schedule = {"train_cron": "0 3 * * *"}  # last ran two days ago: a catch-up run starts at once
+    url = async_database_url(database_url)
+
+    async def scenario() -> tuple[str, str | None, float]:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                policy = await create_policy(session, "nightly", "base", {"schedule": schedule})
+                session.add(
+                    TrainingRun(
+                        policy_id=policy.id,
+                        kind="train",
+                        status="succeeded",
+                        started_at=datetime.now(UTC) - timedelta(days=2),
+                        config={},
+                    )
+                )
+                await session.commit()
+            config = RunnerConfig(
+                data_dir=tmp_path,
+                judge=JudgeSettings(model=""),
+                train_command=[
+                    sys.executable,
+                    "-c",
+                    LONG_CHILD,
+                    url,
+                    str(policy.id),
+                    f"{root}/child",
+                    str(pid_file),
+                ],
+                child_env={},
+                gate_url="http://127.0.0.1:9/v1",
+                engine_url=f"{root}/v1",
+                sleep_engine=True,
+            )
+            scheduler = PolicyScheduler(database, JobRunner(database, config), refresh_s=0.5)
+            await scheduler.start()
+            try:
+                await wait_until_async(
+                    lambda: asyncio.sleep(0, pid_file.exists()), "the training child to start", 60
+                )
+            finally:
+                started = time.monotonic()
+                await scheduler.stop()
+                stop_s = time.monotonic() - started
+            async with database.session() as session:
+                runs = await list_runs(session, "nightly", "train")
+            latest = max(runs, key=lambda run: run.id)
+            return latest.status, latest.error, stop_s
+        finally:
+            await database.dispose()
+
+    caplog.set_level(logging.INFO)
+    try:
+        status, error, stop_s = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert (status, error) == ("failed", "interrupted: the scheduler shut down")
+    assert stop_s < 15, stop_s  # stop waited for the job to end, not for the child's 600 s
+    pid = int(pid_file.read_text())
+    wait_until(lambda: not _alive(pid), "the training child to be gone")
+    assert engine.requests == [  # type: ignore[attr-defined]
+        "POST /sleep?level=1&mode=wait",
+        "GET /child",
+        "POST /wake_up",
+    ]
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert any("interrupted" in r.getMessage() for r in caplog.records if r.name == "trainer.scheduler")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_retention_never_touches_active_pinned_or_rollback_versions(
