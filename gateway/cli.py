@@ -447,6 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         seed=args.seed,
         task=args.task,
+        stop_at_target=args.stop_at_target,
     )
     summary = asyncio.run(run_demo(options))
     sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
@@ -579,7 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--out", type=Path, help="Write demo.json, demo.png and the gateway log here (and keep its data)."
     )
-    demo.add_argument("--minutes", type=float, default=20.0, help="How long the traffic runs.")
+    demo.add_argument("--minutes", type=float, default=20.0, help="How long the traffic runs at most.")
+    demo.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="End as soon as a cycle answered by a trained version reaches the task's target reward.",
+    )
     demo.add_argument(
         "--cycle-calls", type=int, default=60, help="Calls per reported cycle (60: every question once)."
     )

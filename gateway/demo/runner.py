@@ -42,6 +42,7 @@ class DemoOptions:
     seed: int = 0
     learning_rate: float = 3e-4
     task: str = "opposites"  # a name in gateway.demo.tasks.TASKS
+    stop_at_target: bool = False  # end early once a trained version's cycle reaches the task's target reward
 
     @property
     def the_task(self) -> Task:
@@ -105,6 +106,12 @@ def _promotion_regressions(cycles: list[Cycle], window: int = 2) -> list[float]:
     return drops
 
 
+def target_met(cycle: Cycle, task: Task) -> bool:
+    """A cycle answered by a trained version (not the base, version 0) at or above the task's target reward:
+    what `stop_at_target` waits for, so a run on borrowed hardware ends once it has shown the loop working."""
+    return cycle.version not in (0, None) and cycle.mean_reward >= task.target_reward
+
+
 def summarise_run(
     cycles: list[Cycle],
     options: DemoOptions,
@@ -124,6 +131,7 @@ def summarise_run(
     return {
         "task": task.name,
         "minutes": options.minutes,
+        "stop_at_target": options.stop_at_target,
         "cycles": len(cycles),
         "calls": sum(c.n_calls for c in cycles),
         "base_reward": round(base_reward, 4),
@@ -234,7 +242,8 @@ async def run_demo(
     policy: dict[str, Any] | None = None,
     gateway_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Start everything, run traffic cycles for `options.minutes`, stop, and write the report.
+    """Start everything, run traffic cycles for `options.minutes` (or until `target_met`, when asked), stop, and
+    write the report.
 
     `policy` replaces the demo's policy configuration and `gateway_env` adds to the gateway's environment: a
     benchmark runs the same traffic against another checkout's gateway and trainer with them."""
@@ -310,6 +319,13 @@ async def run_demo(
             summary = {**summarise_run(cycles, options, runs, policy), "machine": machine}
             if out is not None:
                 write_json(out / "demo.json", cycles, summary)
+            if options.stop_at_target and target_met(cycle, options.the_task):
+                logger.info(
+                    "v%s reached the target reward %.2f: stopping early",
+                    cycle.version,
+                    options.the_task.target_reward,
+                )
+                break
     finally:
         if app is not None:
             await app.close()

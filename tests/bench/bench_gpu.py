@@ -16,7 +16,8 @@ run in the order ``--phases`` names them:
    (``KAIZEN_ENGINE_SLEEP_DURING_TRAINING``), so traffic, rewards, training, the gate and hot reloads of the
    promoted adapters all run on the one GPU. Preparing the model, vLLM's start-up with sleep mode and each
    training round (which samples with the trainer's own copy while the engine sleeps) took 50 s, 95 s and
-   100 s on an H100, so give it ``--demo-minutes`` to match.
+   100 s on an H100, so give it ``--demo-minutes`` to match; it ends earlier once a cycle answered by a
+   promoted version reaches the task's target reward (``kaizen demo --stop-at-target``).
 
     python -m tests.bench.bench_gpu --out-dir tests/bench/results/gpu [--phases model engine train unsloth demo]
 
@@ -319,7 +320,7 @@ def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryT
         "demo",
         [sys.executable, "-m", "gateway", "demo", "--out", str(demo_out), "--data-dir", str(args.work_dir),
          "--minutes", str(args.demo_minutes), "--rate", str(args.demo_rate),
-         "--concurrency", str(args.demo_concurrency), "--task", args.demo_task],
+         "--concurrency", str(args.demo_concurrency), "--task", args.demo_task, "--stop-at-target"],
         _base_env() | {
             "KAIZEN_VLLM_EXTRA_ARGS": args.demo_engine_args,
             "KAIZEN_ENGINE_SLEEP_DURING_TRAINING": "true",

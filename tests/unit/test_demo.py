@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
-from gateway.demo.runner import DemoOptions, policy_config, run_record, summarise_run
+from gateway.demo.runner import DemoOptions, policy_config, run_record, summarise_run, target_met
 from gateway.demo.tasks import OPPOSITES, PAST_TENSE, TASKS, reward, score
 from gateway.demo.traffic import CallResult, SimulatedApp, served_version
 from gateway.signing import HEADER
@@ -147,6 +147,16 @@ def test_run_summary_checks_every_target(tmp_path: Path) -> None:
     )
     write_chart(tmp_path / "demo.png", cycles, "test")
     assert (tmp_path / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_stopping_at_the_target_needs_a_trained_version_at_the_target_reward() -> None:
+    task = TASKS["opposites"]
+    target = task.target_reward
+    assert not target_met(cycle(1, 0, 1.0), task)  # the base model answering well proves nothing learned
+    assert not target_met(Cycle(2, None, 1.0, 60, 120.0, 1.0, 0.0, 60), task)  # every call failed
+    assert not target_met(cycle(3, 1, target - 0.01), task)
+    assert target_met(cycle(4, 1, target), task)
+    assert target_met(cycle(5, 3, 1.0), task)
 
 
 def test_a_training_run_is_kept_with_why_it_stopped_and_what_it_cost(tmp_path: Path) -> None:
