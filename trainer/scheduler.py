@@ -596,6 +596,18 @@ def schedule_slot(config: ScheduleConfig, kind: JobKind, trigger: str, now: date
     return None
 
 
+class OverlapsAtDebug(logging.Filter):
+    """APScheduler warns whenever a job fires while its previous firing still runs. With one instance per job
+    that is the design, not a fault: a threshold check that started training outlasts many of its own
+    intervals. Those lines go to DEBUG; every other line passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "maximum number of running instances reached" not in record.getMessage():
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
 class PolicyScheduler:
     """APScheduler (AsyncIOScheduler) jobs per policy, re-read from `policies.config` every `refresh_s`."""
 
@@ -611,6 +623,9 @@ class PolicyScheduler:
 
         # APScheduler logs every execution at INFO (the sync job: twice a refresh); the jobs log their own.
         logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
+        overlaps = logging.getLogger("apscheduler.scheduler")
+        if not any(isinstance(f, OverlapsAtDebug) for f in overlaps.filters):
+            overlaps.addFilter(OverlapsAtDebug())
         self._scheduler = AsyncIOScheduler(
             timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 3600}
         )

@@ -364,6 +364,46 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
     assert any("interrupted" in r.getMessage() for r in caplog.records if r.name == "trainer.scheduler")
 
 
+def test_a_job_firing_while_its_last_run_goes_on_is_not_a_warning(tmp_path: Path, caplog: Any) -> None:
+    """A training run started by the threshold check outlasts many checks; APScheduler's "skipped: maximum
+    number of running instances" for each of them is the design (one instance per job), logged at DEBUG."""
+    from apscheduler.events import EVENT_JOB_MAX_INSTANCES
+
+    async def scenario() -> int:
+        database = await fresh_database(f"sqlite:///{tmp_path / 'kaizen.db'}")
+        scheduler = PolicyScheduler(database, runner(database, tmp_path), refresh_s=30)
+        skipped = 0
+
+        def count(_: Any) -> None:
+            nonlocal skipped
+            skipped += 1
+
+        async def slow() -> None:  # a run longer than its interval, like a training run under its check
+            await asyncio.sleep(2)
+
+        try:
+            await scheduler.start()
+            scheduler._scheduler.add_listener(count, EVENT_JOB_MAX_INSTANCES)
+            scheduler._scheduler.add_job(
+                slow, "interval", seconds=0.2, id="slow", next_run_time=datetime.now(UTC)
+            )
+            await wait_until_async(lambda: asyncio.sleep(0, skipped >= 2), "two skipped firings")
+        finally:
+            await scheduler.stop()
+            await database.dispose()
+        return skipped
+
+    caplog.set_level(logging.DEBUG, logger="apscheduler.scheduler")
+    assert asyncio.run(scenario()) >= 2
+    overlaps = [r for r in caplog.records if "maximum number of running instances" in r.getMessage()]
+    assert overlaps and {r.levelno for r in overlaps} == {logging.DEBUG}
+
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="apscheduler.scheduler")
+    asyncio.run(scenario())
+    assert not [r for r in caplog.records if "maximum number of running instances" in r.getMessage()]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
