@@ -21,7 +21,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -133,9 +133,7 @@ class JobRunner:
 
         `options` only apply to a train job."""
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, None, options))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._track(self._execute(policy, kind, trigger, announced, None, options))
         task.add_done_callback(lambda t: _forward_failure(t, announced))
         return await asyncio.shield(announced)
 
@@ -148,9 +146,7 @@ class JobRunner:
         announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         # A task of the runner's own, so that `close` ends a scheduled job too, while the engine and the
         # database are still up (the loop's teardown would cancel it only after they are gone).
-        task = asyncio.create_task(self._execute(policy, kind, trigger, announced, slot_start))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = self._track(self._execute(policy, kind, trigger, announced, slot_start))
         try:
             run_id = await task
         except asyncio.CancelledError:
@@ -167,6 +163,13 @@ class JobRunner:
             return None
         async with self.database.session() as session:
             return await get_run(session, run_id)
+
+    def _track(self, job: Coroutine[Any, Any, int]) -> asyncio.Task[int]:
+        """Run a job as a task that `close` cancels."""
+        task = asyncio.create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         """Cancel running jobs (a training child is killed and its run marked failed)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import update
 
 from gateway.settings import Settings, async_database_url
@@ -28,7 +29,7 @@ from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.conftest import query
-from tests.support.polling import wait_until, wait_until_async
+from tests.support.polling import wait_until_async
 from trainer.ruler import JudgeSettings
 from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
@@ -330,10 +331,12 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
             )
             scheduler = PolicyScheduler(database, JobRunner(database, config), refresh_s=0.5)
             await scheduler.start()
+
+            async def child_started() -> bool:
+                return pid_file.exists()
+
             try:
-                await wait_until_async(
-                    lambda: asyncio.sleep(0, pid_file.exists()), "the training child to start", 60
-                )
+                await wait_until_async(child_started, "the training child to start", 60)
             finally:
                 started = time.monotonic()
                 await scheduler.stop()
@@ -352,8 +355,8 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
         engine.shutdown()
     assert (status, error) == ("failed", "interrupted: the scheduler shut down")
     assert stop_s < 15, stop_s  # stop waited for the job to end, not for the child's 600 s
-    pid = int(pid_file.read_text())
-    wait_until(lambda: not _alive(pid), "the training child to be gone")
+    with pytest.raises(ProcessLookupError):  # killed and reaped before stop returned
+        os.kill(int(pid_file.read_text()), 0)
     assert engine.requests == [  # type: ignore[attr-defined]
         "POST /sleep?level=1&mode=wait",
         "GET /child",
@@ -387,7 +390,11 @@ def test_a_job_firing_while_its_last_run_goes_on_is_not_a_warning(tmp_path: Path
             scheduler._scheduler.add_job(
                 slow, "interval", seconds=0.2, id="slow", next_run_time=datetime.now(UTC)
             )
-            await wait_until_async(lambda: asyncio.sleep(0, skipped >= 2), "two skipped firings")
+
+            async def skipped_twice() -> bool:
+                return skipped >= 2
+
+            await wait_until_async(skipped_twice, "two skipped firings")
         finally:
             await scheduler.stop()
             await database.dispose()
@@ -402,14 +409,6 @@ def test_a_job_firing_while_its_last_run_goes_on_is_not_a_warning(tmp_path: Path
     caplog.set_level(logging.INFO, logger="apscheduler.scheduler")
     asyncio.run(scenario())
     assert not [r for r in caplog.records if "maximum number of running instances" in r.getMessage()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_retention_never_touches_active_pinned_or_rollback_versions(
