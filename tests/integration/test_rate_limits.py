@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import openai
 
 from tests.conftest import query
@@ -67,7 +68,8 @@ def test_sdk_retries_after_a_429_and_succeeds(make_gateway: MakeGateway, tmp_pat
     # Two requests per 4 s window: a refused call is admitted again within two seconds.
     gw = make_gateway(f"sqlite:///{tmp_path}/sdk.db", rate_limit_rpm=2, rate_limit_window_s=4.0)
     statuses: list[int] = []
-    http = httpx.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
+    # openai-python 3 sends through HTTPX2; an app that hooks its client passes one of those.
+    http = httpx2.Client(event_hooks={"response": [lambda r: statuses.append(r.status_code)]})
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="sdk-key", max_retries=3, http_client=http)
     replies = []
     while 429 not in statuses:  # bounded: a third call within two seconds of two others is refused
