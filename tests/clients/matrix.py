@@ -443,38 +443,39 @@ def _structured(method: str) -> Callable[[Target], int]:
 
 
 # ----------------------------------------------------------------------------- litellm and the Agents SDK
-def litellm_completion(target: Target) -> int:
+def _litellm() -> Any:
+    """litellm, imported with its bundled cost map (it would otherwise fetch one from the internet)."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     import litellm
 
-    reply = litellm.completion(
-        model=f"openai/{target.model}",
-        api_base=target.base_url,
-        api_key="sk-matrix",
-        messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=MAX_TOKENS,
+    return litellm
+
+
+def _litellm_route(target: Target) -> dict[str, Any]:
+    """What every litellm call names: the gateway as an OpenAI-compatible provider."""
+    return {"model": f"openai/{target.model}", "api_base": target.base_url, "api_key": "sk-matrix"}
+
+
+def litellm_completion(target: Target) -> int:
+    reply = _litellm().completion(
+        messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, **_litellm_route(target)
     )
-    assert reply.choices[0].message.content  # type: ignore[union-attr]
+    assert reply.choices[0].message.content
     return 1
 
 
 def litellm_stream(target: Target) -> int:
     """`completion(stream=True)`: litellm's own chunk wrapper over the gateway's server-sent events, with the
     usage chunk it asks for."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
     text, usage = "", None
-    for chunk in litellm.completion(
-        model=f"openai/{target.model}",
-        api_base=target.base_url,
-        api_key="sk-matrix",
+    for chunk in _litellm().completion(
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=MAX_TOKENS,
         stream=True,
         stream_options={"include_usage": True},
+        **_litellm_route(target),
     ):
-        text += "".join(c.delta.content or "" for c in chunk.choices)  # type: ignore[union-attr]
+        text += "".join(c.delta.content or "" for c in chunk.choices)
         usage = getattr(chunk, "usage", None) or usage
     assert text and usage is not None and usage.completion_tokens > 0
     return 1
@@ -483,17 +484,12 @@ def litellm_stream(target: Target) -> int:
 def litellm_responses_chain(target: Target) -> int:
     """`litellm.responses` for an `openai/` model goes to the gateway's `/v1/responses`; the second turn
     continues the first by `previous_response_id`."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    common: dict[str, Any] = {
-        "model": f"openai/{target.model}",
-        "api_base": target.base_url,
-        "api_key": "sk-matrix",
-        "max_output_tokens": MAX_TOKENS,
-    }
-    first = litellm.responses(input=QUESTION, **common)
-    second = litellm.responses(input="And tomorrow?", previous_response_id=first.id, **common)
+    litellm = _litellm()
+    route = _litellm_route(target)
+    first = litellm.responses(input=QUESTION, max_output_tokens=MAX_TOKENS, **route)
+    second = litellm.responses(
+        input="And tomorrow?", previous_response_id=first.id, max_output_tokens=MAX_TOKENS, **route
+    )
     for reply in (first, second):
         texts = [c.text for item in reply.output if item.type == "message" for c in item.content]
         assert "".join(texts) and reply.status in {"completed", "incomplete"}
