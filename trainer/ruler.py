@@ -13,12 +13,14 @@ outcome carries the error instead of scores, and the caller moves on to the next
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -219,12 +221,17 @@ def parse_scores(text: str, count: int) -> list[tuple[float, str]]:
 
 
 # ----------------------------------------------------------------------------- calling
-def litellm_model(settings: JudgeSettings) -> str:
-    """A plain model name with an API base is an OpenAI-compatible server: litellm's `openai/` provider."""
-    import litellm
+async def import_litellm() -> ModuleType:
+    """litellm, imported in a worker thread: its import is seconds of CPU (10 s on a 2-core machine), and the
+    scheduler judges inside the serving process, whose calls in flight would all wait for it on the event loop."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price list at run time
+    return await asyncio.to_thread(importlib.import_module, "litellm")
 
+
+def litellm_model(settings: JudgeSettings, providers: Sequence[str]) -> str:
+    """A plain model name with an API base is an OpenAI-compatible server: litellm's `openai/` provider."""
     provider = settings.model.split("/", 1)[0]
-    if settings.api_base and (provider == settings.model or provider not in litellm.provider_list):
+    if settings.api_base and (provider == settings.model or provider not in providers):
         return f"openai/{settings.model}"
     return settings.model
 
@@ -232,12 +239,10 @@ def litellm_model(settings: JudgeSettings) -> str:
 async def litellm_complete(
     messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
 ) -> Completion:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # never fetch the price list at run time
-    import litellm
-
+    litellm = await import_litellm()
     started = time.perf_counter()
     response = await litellm.acompletion(
-        model=litellm_model(settings),
+        model=litellm_model(settings, litellm.provider_list),
         messages=messages,
         api_base=settings.api_base or None,
         api_key=settings.api_key or ("unused" if settings.api_base else None),

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,6 +141,59 @@ def test_judge_group_through_litellm(judge: ScriptedJudge) -> None:
     assert (schema["minItems"], schema["maxItems"]) == (2, 2)
     assert schema["items"]["properties"]["trajectory_id"]["enum"] == ["t1", "t2"]
     assert {k.lower(): v for k, v in judge.headers[0].items()}["x-kaizen-no-log"] == "true"
+
+
+#: Runs in a fresh interpreter (the test process may have imported litellm already): a ticker measures how late
+#: the event loop wakes it while the process's first judge call is made, as a serving gateway's scheduler makes it.
+_FIRST_JUDGE_CALL = textwrap.dedent(
+    """
+    import asyncio, json, sys, time
+
+    from trainer.ruler import JudgeSettings, judge_group
+
+    async def main() -> dict:
+        imported_before = "litellm" in sys.modules
+        worst = 0.0
+        ticking = True
+
+        async def tick() -> None:
+            nonlocal worst
+            last = time.perf_counter()
+            while ticking:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                worst, last = max(worst, now - last - 0.01), now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        conversations = [[{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]
+                         for answer in ("4, good", "5")]
+        outcome = await judge_group(
+            conversations, ["a", "b"], "Be right.", JudgeSettings(model="judge-model", api_base=sys.argv[1])
+        )
+        ticking = False
+        await ticker
+        return {"imported_before": imported_before, "worst_lag_s": worst, "error": outcome.error,
+                "scores": [j.score for j in outcome.judgements or []]}
+
+    print(json.dumps(asyncio.run(main())))
+    """
+)
+
+
+def test_the_first_judge_call_never_stalls_the_event_loop(judge: ScriptedJudge) -> None:
+    """litellm's import takes seconds of CPU; made on the serving loop, it would hold every call in flight."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_JUDGE_CALL, judge.url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["imported_before"] is False and seen["error"] is None and seen["scores"] == [0.9, 0.1]
+    assert seen["worst_lag_s"] < 1.0, seen
 
 
 def test_retries_malformed_wrong_count_and_errors_then_succeeds(judge: ScriptedJudge) -> None:
