@@ -53,6 +53,7 @@ class BootstrapOptions:
     mode: str = "auto"  # auto | grpo | sft | warm_start | mixed
     max_tokens: int = 256
     temperature: float = 1.0
+    seed: int | None = None
     concurrency: int = 8
     train: bool = True
     batch_size: int = 8
@@ -64,6 +65,7 @@ class BootstrapReport:
 
     policy: str
     run_tag: str
+    seed: int | None = None
     scenarios: int = 0
     eval_scenarios: int = 0
     episodes: int = 0
@@ -103,6 +105,12 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="Sampling temperature of the attempts."
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="Seed the attempts (attempt j of scenario i gets seed + i * attempts + j), so a rerun on the same "
+        "scenarios samples the same replies; default: unseeded.",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="Attempts in flight at once.")
     parser.add_argument("--no-train", action="store_true", help="Write, run and score the scenarios only.")
     parser.add_argument(
@@ -139,6 +147,7 @@ def options_from_arguments(args: argparse.Namespace, settings: Settings) -> Boot
         mode=args.mode,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        seed=args.seed,
         concurrency=args.concurrency,
         train=not args.no_train,
     )
@@ -165,6 +174,12 @@ def group_keys(tag: str, count: int, held_out: int, fraction: float) -> list[str
             salt += 1
         keys.append(f"{tag}-{index}.{salt}")
     return keys
+
+
+def attempt_seed(base: int, scenario: int, attempt: int, attempts: int) -> int:
+    """The seed of one attempt: distinct for every attempt of the run (the same seed would give a group identical
+    replies, so no reward variance), and the same in every run with the same base."""
+    return base + scenario * attempts + attempt
 
 
 def choose_mode(requested: str, rewards: Sequence[Sequence[float]], min_reward: float) -> str | None:
@@ -223,10 +238,17 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
     log.info("%d scenarios written (%d for the evaluation gate)", report.scenarios, held_out)
 
     # 2. attempts through the gateway, captured as episodes of source `bootstrap`
+    index = {scenario: number for number, scenario in enumerate(written.messages)}  # the writer drops repeats
+    started_attempts = dict.fromkeys(index, 0)
+
     async def attempt(trajectory: Trajectory, scenario: str) -> None:
         messages = [{"role": "user", "content": scenario}]
         if options.system:
             messages.insert(0, {"role": "system", "content": options.system})
+        seed = None
+        if options.seed is not None:
+            seed = attempt_seed(options.seed, index[scenario], started_attempts[scenario], options.attempts)
+            started_attempts[scenario] += 1
         client = trajectory.async_openai_client(default_headers={"X-Kaizen-Source": SOURCE}, max_retries=2)
         try:
             await client.chat.completions.create(
@@ -235,6 +257,8 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
                 max_tokens=options.max_tokens,
                 temperature=options.temperature,
                 metadata={RUN_KEY: report.run_tag},
+                # `extra_body` leaves the field out when unseeded, on every SDK version the client supports
+                extra_body={"seed": seed} if seed is not None else None,
             )
         finally:
             await client.close()
@@ -320,7 +344,7 @@ def run_bootstrap(settings: Settings, args: argparse.Namespace) -> int:
     )
     if not writer.model:
         raise ValueError("no scenario writer: pass --writer-model or set KAIZEN_JUDGE_MODEL")
-    report = BootstrapReport(options.policy, f"{SOURCE}-{uuid.uuid4().hex[:8]}")
+    report = BootstrapReport(options.policy, f"{SOURCE}-{uuid.uuid4().hex[:8]}", seed=options.seed)
     try:
         asyncio.run(bootstrap(options, writer, report))
     except (KaizenError, ScenarioError, RuntimeError, TimeoutError) as exc:

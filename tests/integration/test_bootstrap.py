@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gateway.bootstrap_command import choose_mode, group_keys
 from gateway.settings import async_database_url
 from storage.database import Database
@@ -57,8 +59,9 @@ def make_policy(url: str, name: str, config: dict[str, Any]) -> None:
     asyncio.run(create())
 
 
+@pytest.mark.parametrize("seed", [None, 100])
 def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_episodes(
-    make_gateway: Callable[..., GatewayServer], database_url: str
+    make_gateway: Callable[..., GatewayServer], database_url: str, seed: int | None
 ) -> None:
     gw = make_gateway(database_url, admin_key=ADMIN_KEY)
     scorer = {"rewards": {"scorer": {"function": "tests.support.reward_functions:length_score"}}}
@@ -75,6 +78,7 @@ def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_epis
             f"--gateway-url={gw.url}/v1",
             "--writer-model=writer-model",
             f"--writer-api-base={writer.url}",
+            *([f"--seed={seed}"] if seed is not None else []),
         )
         writer_prompt = writer.prompts()[0]
     assert done.returncode == 0, done.stderr[-3000:]
@@ -92,14 +96,18 @@ def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_epis
         for e in episodes
     }
     assert tags == {report["run_tag"]}
-    asked = query(database_url, "SELECT request FROM calls")
-    contents = sorted(
-        (json.loads(r["request"]) if isinstance(r["request"], str) else r["request"])["messages"][-1][
-            "content"
-        ]
-        for r in asked
-    )
-    assert contents == sorted(SCENARIOS * 2)
+    asked = [
+        json.loads(r["request"]) if isinstance(r["request"], str) else r["request"]
+        for r in query(database_url, "SELECT request FROM calls")
+    ]
+    assert sorted(a["messages"][-1]["content"] for a in asked) == sorted(SCENARIOS * 2)
+    # seeded: each attempt its own seed, scenario i's two attempts 100 + 2i and 101 + 2i; unseeded: none sent
+    seeds = {(a["messages"][-1]["content"], a["params"].get("seed")) for a in asked}
+    if seed is None:
+        assert seeds == {(s, None) for s in SCENARIOS} and report["seed"] is None
+    else:
+        assert seeds == {(s, seed + 2 * i + j) for i, s in enumerate(SCENARIOS) for j in (0, 1)}
+        assert report["seed"] == seed
     # the scripted upstream echoes the question: "echo: Name a color." has 19 characters, so 0.0 for all
     rewards = query(database_url, "SELECT source, value FROM rewards")
     assert [(r["source"], r["value"]) for r in rewards] == [("function", 0.0)] * 6
