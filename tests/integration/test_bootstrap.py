@@ -129,6 +129,10 @@ def test_bootstrap_refuses_what_it_cannot_do(
     assert without_key.returncode == 2 and "KAIZEN_ADMIN_KEY" in without_key.stderr
     no_holdout = kaizen("bootstrap", "--policy=no-holdout", *common)
     assert no_holdout.returncode == 2 and "holdout_fraction" in no_holdout.stderr
+    # every attempt's seed (24 scenarios, 4 attempts each, above the base) must stay in 64 bits
+    for seed in ("-1", str(2**63 - 1)):
+        bad_seed = kaizen("bootstrap", "--policy=no-holdout", f"--seed={seed}", *common)
+        assert bad_seed.returncode == 2 and "--seed must be between 0 and" in bad_seed.stderr
     unknown = kaizen("bootstrap", "--policy=nope", *common)
     assert unknown.returncode == 1 and "no policy named 'nope'" in unknown.stderr
     assert query(url, "SELECT count(*) AS n FROM calls")[0]["n"] == 0
