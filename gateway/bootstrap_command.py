@@ -38,8 +38,6 @@ SOURCE = "bootstrap"
 RUN_KEY = "kaizen_bootstrap"
 #: Share of groups with reward variance from which GRPO alone has enough signal (`--mode auto`).
 GRPO_SIGNAL_SHARE = 0.5
-#: The largest seed a request may carry (the gateway refuses larger ones, as engines keep 64-bit seeds).
-MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -128,6 +126,7 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_arguments(args: argparse.Namespace, settings: Settings) -> BootstrapOptions:
+    from gateway.protocol import SEED_MAX
     from gateway.scheduling import gate_url
 
     if not settings.admin_key:
@@ -135,10 +134,10 @@ def options_from_arguments(args: argparse.Namespace, settings: Settings) -> Boot
     for name in ("scenarios", "attempts", "concurrency", "max_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED - args.scenarios * args.attempts:
+    if args.seed is not None and not 0 <= args.seed <= SEED_MAX - args.scenarios * args.attempts:
         raise ValueError(
-            f"--seed must be between 0 and {MAX_SEED - args.scenarios * args.attempts}: each attempt is sent "
-            "with its own seed above it, and engines keep seeds in 64-bit integers"
+            f"--seed must be between 0 and {SEED_MAX - args.scenarios * args.attempts}: each attempt is sent "
+            "with its own seed above it, and the gateway takes seeds up to 2^63 - 1"
         )
     if args.attempts < 2 and not args.no_train:
         raise ValueError("--attempts must be at least 2: a group needs several attempts to compare")

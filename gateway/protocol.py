@@ -178,7 +178,8 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 # Engines keep token counts in 32-bit and seeds in 64-bit integers: larger numbers are refused here, as the
 # client's error, instead of being sent on (and recorded as a failed call) or overflowing the engine.
 TokenCount = Annotated[int, Meta(ge=1, le=2**31 - 1)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+SEED_MAX = 2**63 - 1
+Seed = Annotated[int, Meta(ge=-SEED_MAX - 1, le=SEED_MAX)]
 
 
 class ChatCompletionRequest(Struct, kw_only=True):
