@@ -147,12 +147,19 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_is_lost(gateway: Ga
     assert len(answered) + len(broken) == CALLS
 
     # The watchdog restarts the killed server; the pool gives it bot@1 back before it takes calls again. The
-    # wait is for the restart itself: a kill near the end of the load can land after the last call, before the
-    # watchdog's next look, while the replica still counts as routable.
+    # wait is for the restart to have finished: a kill near the end of the load can land after the last call,
+    # while the pool still counts the replica as routable, and `restarts` counts a restart from when it begins.
+    # The engine says itself ready again only once its server answers and has its adapters back; `restarts` is
+    # read first, because the watchdog marks the engine not ready before it counts the restart.
+    killed = engines.replicas[1]
     wait_until(
-        lambda: engines.replicas[1].engine.restarts >= 1 and engines.replicas[1].routable,
+        lambda: (
+            killed.engine.restarts >= 1
+            and killed.engine.snapshot()["replicas"][0]["routable"]
+            and killed.routable
+        ),
         "the killed replica to be restarted and back",
         900,
     )
-    assert "bot@1" in loaded(engines.replicas[1].engine.base_url)
+    assert "bot@1" in loaded(killed.engine.base_url)
     assert served_model(gateway, "bot") == "bot@1"
