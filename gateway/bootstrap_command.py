@@ -108,8 +108,9 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed",
         type=int,
-        help="Seed the attempts (attempt j of scenario i gets seed + i * attempts + j), so a rerun on the same "
-        "scenarios samples the same replies; default: unseeded.",
+        help="Seed the scenario writer (its request k gets seed + k) and the attempts (attempt j of scenario i "
+        "gets seed + i * attempts + j), so a rerun against engines that honour seeds writes the same scenarios "
+        "and samples the same replies; default: unseeded.",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="Attempts in flight at once.")
     parser.add_argument("--no-train", action="store_true", help="Write, run and score the scenarios only.")
@@ -207,6 +208,7 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
     """Write, run, score and train; fills `report` as it goes (so a failure still shows what was done)."""
     from gateway.client import Model, Trajectory, gather
     from trainer.policy_config import load_policy_config
+    from trainer.ruler import import_litellm, takes_seed
     from trainer.scenarios import write_scenarios
 
     model = Model(options.policy, options.gateway_url, api_key=options.admin_key, admin_key=options.admin_key)
@@ -230,9 +232,20 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
         bar.n = done
         bar.refresh()
 
+    if options.seed is not None:
+        writer = replace(writer, seed=options.seed)
+        if not takes_seed(await import_litellm(), writer):
+            log.warning(
+                "the scenario writer %s takes no seed: the attempts are seeded, the scenarios not",
+                writer.model,
+            )
     try:
         written = await write_scenarios(
-            options.task, options.scenarios, writer, batch_size=options.batch_size, progress=progress
+            options.task,
+            options.scenarios,
+            writer,
+            batch_size=options.batch_size,
+            progress=progress,
         )
     finally:
         bar.close()

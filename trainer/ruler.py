@@ -19,7 +19,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +41,8 @@ Answer with JSON only, exactly one entry per trajectory, in this shape:
 
 # Kaizen's gateway stores nothing of calls that carry this header: judging must not become training data.
 NO_LOG_HEADERS = {"X-Kaizen-No-Log": "true"}
+#: Seeds are signed 64-bit integers; seeds derived by adding an offset wrap to stay at or above 0.
+SEED_SPACE = 2**63
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$", re.S)
 
 
@@ -57,6 +59,8 @@ class JudgeSettings:
     concurrency: int = 4
     backoff_s: float = 1.0  # first pause between attempts; doubles each time
     max_tokens: int | None = None  # cap on the judge's answer (small local judges may ramble)
+    # Sent as `seed` where the provider takes one; each retry adds 1 (the same seed would draw the same answer).
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -236,10 +240,30 @@ def litellm_model(settings: JudgeSettings, providers: Sequence[str]) -> str:
     return settings.model
 
 
+def takes_seed(litellm: ModuleType, settings: JudgeSettings) -> bool:
+    """Whether litellm sends `seed` to this model's provider (OpenAI-compatible servers, vLLM and OpenAI do;
+    Anthropic does not, and litellm would refuse the whole call if it were passed)."""
+    try:
+        model, provider, _, _ = litellm.get_llm_provider(
+            litellm_model(settings, litellm.provider_list), api_base=settings.api_base or None
+        )
+        return "seed" in (
+            litellm.get_supported_openai_params(model=model, custom_llm_provider=provider) or []
+        )
+    except Exception:  # a provider litellm cannot name fails the call itself, with its own message
+        return False
+
+
+def offset_seed(seed: int | None, offset: int) -> int | None:
+    """`seed` + `offset`, wrapped into [0, 2^63); None stays None (unseeded)."""
+    return None if seed is None else (seed + offset) % SEED_SPACE
+
+
 async def litellm_complete(
     messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
 ) -> Completion:
     litellm = await import_litellm()
+    seed = settings.seed if settings.seed is not None and takes_seed(litellm, settings) else None
     started = time.perf_counter()
     response = await litellm.acompletion(
         model=litellm_model(settings, litellm.provider_list),
@@ -250,6 +274,7 @@ async def litellm_complete(
         timeout=settings.timeout_s,
         response_format=fmt,
         max_tokens=settings.max_tokens,
+        seed=seed,
         extra_headers=NO_LOG_HEADERS,
         num_retries=0,  # retries (with the malformed-answer ones) are ours
     )
@@ -312,6 +337,7 @@ async def ask_json(
     """Ask for a structured answer; failed calls and answers `parse` refuses are retried with backoff.
 
     Never raises for the model's failures: after `settings.max_retries` retries the answer carries the error.
+    A seeded retry is sent with the next seed: a seeded engine would repeat the answer it refused.
     """
     cost: float | None = None
     error = "not attempted"
@@ -323,7 +349,9 @@ async def ask_json(
         attempts += 1
         started = time.perf_counter()
         try:
-            answer = await complete(messages, fmt, settings)
+            answer = await complete(
+                messages, fmt, replace(settings, seed=offset_seed(settings.seed, attempt))
+            )
             latency_ms = answer.latency_ms
             if answer.cost_usd is not None:
                 cost = (cost or 0.0) + answer.cost_usd

@@ -5,7 +5,8 @@ The writer is any litellm model or OpenAI-compatible URL, configured like RULER'
 engine included: its calls carry `X-Kaizen-No-Log`, so writing scenarios is not captured as traffic). It is
 asked for a few scenarios at a time with a JSON schema, and shown the ones it wrote already so that later
 batches differ; repeats (compared without case and spacing) are dropped and counted. Malformed answers and
-failed calls are retried like the judge's.
+failed calls are retried like the judge's. With `settings.seed` S, request k of the writer (retries counted)
+is sent with seed S + k, so a rerun against an engine that honours `seed` writes the same scenarios.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from trainer.ruler import Complete, JudgeSettings, MalformedAnswer, ask_json, json_object, litellm_complete
+from trainer.ruler import (
+    Complete,
+    JudgeSettings,
+    MalformedAnswer,
+    ask_json,
+    json_object,
+    litellm_complete,
+    offset_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +145,7 @@ async def write_scenarios(
         answer = await ask_json(
             build_request(task, wanted, messages),
             answer_format(wanted),
-            settings,
+            replace(settings, seed=offset_seed(settings.seed, requests)),
             parse_scenarios,
             complete,
             what="scenario writer",

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.scripted_judge import ScriptedJudge
-from trainer.ruler import JudgeSettings
+from trainer.ruler import JudgeSettings, import_litellm, takes_seed
 from trainer.scenarios import ScenarioError, parse_scenarios, write_scenarios
 
 TASK = "Answer questions about train timetables between Swiss cities."
@@ -101,6 +101,29 @@ def test_a_writer_that_keeps_failing_is_an_error(writer: ScriptedJudge) -> None:
     with pytest.raises(ScenarioError, match="scenario writer writer-model failed"):
         asyncio.run(write_scenarios(TASK, 2, settings(writer, max_retries=2)))
     assert len(writer.requests) == 3
+
+
+@pytest.mark.parametrize(
+    ("seed", "sent"), [(None, [None, None, None]), (7, [7, 8, 9]), (2**63 - 2, [2**63 - 2, 2**63 - 1, 0])]
+)
+def test_a_seeded_writer_sends_one_seed_per_request_retries_included(
+    writer: ScriptedJudge, seed: int | None, sent: list[int | None]
+) -> None:
+    # request 1 is refused and retried; a retry with the same seed would draw the same refused answer
+    writer.script.extend(
+        ["no json at all", batch("Bern to Thun?", "Basel to Olten?"), batch("Chur to Sion?")]
+    )
+    written = asyncio.run(write_scenarios(TASK, 3, settings(writer, seed=seed), batch_size=2))
+    assert written.messages == ["Bern to Thun?", "Basel to Olten?", "Chur to Sion?"]
+    assert [r.get("seed") for r in writer.requests] == sent  # past 2^63 - 1 the seeds wrap to 0
+
+
+def test_the_seed_goes_only_to_providers_that_take_one() -> None:
+    litellm = asyncio.run(import_litellm())
+    assert takes_seed(litellm, JudgeSettings(model="writer-model", api_base="http://127.0.0.1:9/v1"))
+    assert takes_seed(litellm, JudgeSettings(model="openai/gpt-4o-mini"))
+    # litellm would refuse a whole call to Anthropic that carries `seed`
+    assert not takes_seed(litellm, JudgeSettings(model="anthropic/claude-3-5-sonnet-20240620"))
 
 
 def test_parse_scenarios_accepts_plain_strings_and_skips_empty_entries() -> None:
