@@ -232,13 +232,10 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
         bar.n = done
         bar.refresh()
 
-    if options.seed is not None:
-        writer = replace(writer, seed=options.seed)
-        if not takes_seed(await import_litellm(), writer):
-            log.warning(
-                "the scenario writer %s takes no seed: the attempts are seeded, the scenarios not",
-                writer.model,
-            )
+    if writer.seed is not None and not takes_seed(await import_litellm(), writer):
+        log.warning(
+            "the scenario writer %s takes no seed: the attempts are seeded, the scenarios not", writer.model
+        )
     try:
         written = await write_scenarios(
             options.task,
@@ -360,6 +357,7 @@ def run_bootstrap(settings: Settings, args: argparse.Namespace) -> int:
         model=args.writer_model or judge.model,
         api_base=args.writer_api_base or judge.api_base,
         temperature=1.0,
+        seed=options.seed,
     )
     if not writer.model:
         raise ValueError("no scenario writer: pass --writer-model or set KAIZEN_JUDGE_MODEL")

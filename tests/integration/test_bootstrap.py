@@ -81,9 +81,9 @@ def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_epis
             *([f"--seed={seed}"] if seed is not None else []),
         )
         writer_prompt = writer.prompts()[0]
-        writer_seeds = [r.get("seed") for r in writer.requests]
+        writer_seeds = [r.get("seed", "no seed") for r in writer.requests]
     assert done.returncode == 0, done.stderr[-3000:]
-    assert writer_seeds == [seed]  # the writer's one request carries the seed itself
+    assert writer_seeds == [seed if seed is not None else "no seed"]  # its one request: the seed itself
     report = json.loads(done.stdout)
     assert (report["scenarios"], report["episodes"], report["scored_episodes"]) == (3, 6, 6)
     assert report["judge_run"] is not None and report["mode"] is None and report["train_run"] is None

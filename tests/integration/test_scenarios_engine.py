@@ -8,12 +8,11 @@ import asyncio
 import pytest
 
 from tests.conftest import VLLMServer
+from tests.integration.test_scenarios import TASK
 from trainer.ruler import JudgeSettings
 from trainer.scenarios import WrittenScenarios, write_scenarios
 
 pytestmark = pytest.mark.vllm
-
-TASK = "Answer questions about train timetables between Swiss cities."
 
 
 def write(vllm_server: VLLMServer, seed: int) -> WrittenScenarios:
