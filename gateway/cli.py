@@ -428,7 +428,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
-    from gateway.demo.runner import DemoOptions, run_demo
+    from gateway.demo.runner import DemoOptions, demo_main
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -449,9 +449,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         task=args.task,
         stop_at_target=args.stop_at_target,
     )
-    summary = asyncio.run(run_demo(options))
-    sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
-    return 0
+    return demo_main(options)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

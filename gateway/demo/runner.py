@@ -5,10 +5,12 @@ time is up. Everything goes through HTTP, as it would for a user."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,9 +119,11 @@ def summarise_run(
     options: DemoOptions,
     runs: Sequence[dict[str, Any]] = (),
     policy: dict[str, Any] | None = None,
+    stopped_by: str | None = None,
 ) -> dict[str, Any]:
     """The numbers docs/training.md quotes, whether each target was met, and every finished training run
-    (`run_record`); `policy` is the configuration the run used when it was not the demo's own."""
+    (`run_record`); `policy` is the configuration the run used when it was not the demo's own, `stopped_by` the
+    signal that ended the run early."""
     task = options.the_task
     base = [c for c in cycles if c.version == 0] or cycles[:1]
     base_reward = sum(c.mean_reward for c in base) / len(base) if base else 0.0
@@ -132,6 +136,7 @@ def summarise_run(
         "task": task.name,
         "minutes": options.minutes,
         "stop_at_target": options.stop_at_target,
+        "stopped_by": stopped_by,
         "cycles": len(cycles),
         "calls": sum(c.n_calls for c in cycles),
         "base_reward": round(base_reward, 4),
@@ -236,6 +241,41 @@ def _describe_run(run: dict[str, Any]) -> str:
     return text
 
 
+class Interruption:
+    """Ctrl-C (SIGINT) and SIGTERM end the demo early, as the end of its time does: the traffic is cancelled (the
+    cycle under way is not counted), then the gateway stops and the report is written. Only the first signal
+    counts; one that comes while the demo is already stopping is logged, so a second Ctrl-C cannot leave the
+    gateway and vLLM running."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.signal: signal.Signals | None = None
+        self.stopping = False
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in self.SIGNALS:
+            loop.add_signal_handler(signum, self._received, signum)
+
+    def _received(self, signum: signal.Signals) -> None:
+        if self.signal is not None or self.stopping:
+            logger.warning("%s: already stopping; waiting for the gateway to stop", signum.name)
+            return
+        self.signal = signum
+        logger.warning("%s: ending the demo; stopping the gateway and writing what it measured", signum.name)
+        self.task.cancel()
+
+    def caught(self) -> bool:
+        """Whether a cancellation came from a signal (then it is taken back, and the demo winds down); any
+        other cancellation goes on."""
+        if self.signal is None:
+            return False
+        self.task.uncancel()
+        return True
+
+
 async def run_demo(
     options: DemoOptions,
     *,
@@ -268,15 +308,15 @@ async def run_demo(
         },
     )
     url, api_key = gateway.url, gateway.api_key
-    # SIGTERM ends the demo like Ctrl-C does: through the `finally` below, so the gateway and vLLM stop too.
     current = asyncio.current_task()
-    if current is not None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, current.cancel)
+    assert current is not None  # run_demo is always awaited by a task
+    interruption = Interruption(current)
+    interruption.install()
     split_cores(gateway.env, os.cpu_count() or 1)
     logger.info("starting the gateway on %s (log: %s)", url, log_path)
     gateway.start()
     cycles: list[Cycle] = []
-    summary: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
     admin = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {gateway.admin_key}"})
     app: SimulatedApp | None = None
     try:
@@ -297,7 +337,6 @@ async def run_demo(
             seed=options.seed,
         )
         seen_runs: set[int] = set()
-        runs: list[dict[str, Any]] = []
         deadline = time.monotonic() + options.minutes * 60
         while time.monotonic() < deadline:
             cycle = summarise(len(cycles) + 1, await app.cycle(options.cycle_calls))
@@ -326,19 +365,42 @@ async def run_demo(
                     options.the_task.target_reward,
                 )
                 break
+    except asyncio.CancelledError:
+        if not interruption.caught():
+            raise
     finally:
+        interruption.stopping = True
         if app is not None:
             await app.close()
         await admin.aclose()
         logger.info("stopping the gateway")
         await asyncio.to_thread(gateway.stop)
-    if out is not None and cycles:
+    stopped_by = interruption.signal.name if interruption.signal is not None else None
+    if not cycles:
+        return {"stopped_by": stopped_by}
+    summary = {**summarise_run(cycles, options, runs, policy, stopped_by), "machine": machine}
+    if out is not None:
         write_json(out / "demo.json", cycles, summary)
         write_chart(
             out / "demo.png",
             cycles,
             f"kaizen demo ({options.task}): live reward, base {summary['base_reward']:.2f} -> "
-            f"{summary['final_reward']:.2f} in {cycles[-1].elapsed_s / 60:.0f} min",
+            f"{summary['final_reward']:.2f} in {cycles[-1].elapsed_s / 60:.0f} min"
+            + (f" (stopped by {stopped_by})" if stopped_by else ""),
         )
         logger.info("wrote %s and %s", out / "demo.json", out / "demo.png")
     return summary
+
+
+def demo_main(
+    options: DemoOptions,
+    *,
+    policy: dict[str, Any] | None = None,
+    gateway_env: dict[str, str] | None = None,
+) -> int:
+    """`kaizen demo`: run it and print its targets as JSON. The exit status is 0, or 128 + the number of the
+    signal that ended it early, as a shell reports a command stopped by one."""
+    summary = asyncio.run(run_demo(options, policy=policy, gateway_env=gateway_env))
+    sys.stdout.write(json.dumps(summary.get("targets", {}), indent=2) + "\n")
+    stopped_by = summary.get("stopped_by")
+    return 128 + signal.Signals[stopped_by] if stopped_by else 0

@@ -85,11 +85,17 @@ class SimulatedApp:
             async with slots:
                 return await self._call(question)
 
-        tasks = []
-        for _ in range(calls):
-            tasks.append(asyncio.create_task(one(self._next_question())))
-            await asyncio.sleep(1 / self.rate)
-        return list(await asyncio.gather(*tasks))
+        tasks: list[asyncio.Task[CallResult]] = []
+        try:
+            for _ in range(calls):
+                tasks.append(asyncio.create_task(one(self._next_question())))
+                await asyncio.sleep(1 / self.rate)
+            return list(await asyncio.gather(*tasks))
+        finally:
+            # A cycle cut short (the demo was stopped) leaves no call running behind it.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _call(self, question: Question) -> CallResult:
         try:

@@ -134,6 +134,8 @@ def test_run_summary_checks_every_target(tmp_path: Path) -> None:
     assert summary["versions_served"] == [0, 1, 2]
     assert summary["promotion_regressions"] == [pytest.approx(-0.3), pytest.approx(-0.325)]
     assert all(summary["targets"].values())
+    assert summary["stopped_by"] is None  # the time ran out
+    assert summarise_run(cycles, options, stopped_by="SIGINT")["stopped_by"] == "SIGINT"
 
     regressed = [*cycles, cycle(7, 3, 0.5), cycle(8, 3, 0.5, distinct=0.3)]
     targets = summarise_run(regressed, options)["targets"]
