@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import signal
 import sys
 import types
 import typing
@@ -22,6 +24,7 @@ from gateway.dataset_commands import add_export_arguments, add_import_arguments
 from gateway.demo.tasks import TASKS
 from gateway.judge_command import add_judge_arguments
 from gateway.settings import Settings
+from trainer.signals import SigtermAsCtrlC
 
 log = logging.getLogger("kaizen")
 
@@ -300,7 +303,16 @@ def train_on_several_processes(args: argparse.Namespace, settings: Settings) -> 
         argv += ["--set", item]
     if args.device:
         argv += ["--device", args.device]
-    return subprocess.run(argv, env=child_env(settings), check=False).returncode
+    # In a session of its own, torchrun hears of a stop only from here, and once: a terminal's Ctrl-C and a
+    # supervisor's SIGTERM both reach this process as KeyboardInterrupt and are passed on as one SIGTERM, which
+    # torchrun hands to every trainer (rank 0 records the run failed) before it exits itself.
+    torchrun = subprocess.Popen(argv, env=child_env(settings), start_new_session=True)
+    try:
+        return torchrun.wait()
+    except KeyboardInterrupt:
+        torchrun.send_signal(signal.SIGTERM)
+        torchrun.wait()
+        raise
 
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:
@@ -657,10 +669,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that handle SIGTERM themselves, as servers do: a graceful stop, then the exit a supervisor expects.
+OWN_SIGTERM = frozenset({"serve", "worker", "demo"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    interrupt = SigtermAsCtrlC()
     try:
-        return int(args.func(args))
+        with contextlib.ExitStack() as stack:
+            if args.command not in OWN_SIGTERM:
+                stack.enter_context(interrupt)
+            return int(args.func(args))
+    except KeyboardInterrupt:
+        log.warning("kaizen %s: stopped by %s", args.command, interrupt.signal.name)
+        return interrupt.exit_status
     except (FileNotFoundError, ValueError) as exc:
         log.error("kaizen: %s", exc)
         return 2

@@ -31,6 +31,7 @@ from trainer.launch import ranks_from_environment
 from trainer.rewards import policy_reward_config
 from trainer.ruler import JudgeSettings
 from trainer.scoring import Scorer
+from trainer.signals import SigtermAsCtrlC
 
 if TYPE_CHECKING:
     from trainer.distributed import Followers
@@ -186,6 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         inputs = inputs_from_arguments(args, dict(os.environ))
     except ValueError as exc:
         parser.error(str(exc))
+    with SigtermAsCtrlC() as interrupt:
+        try:
+            return _train(args, inputs)
+        except KeyboardInterrupt:
+            log.error("training stopped by %s", interrupt.signal.name)
+            return interrupt.exit_status
+
+
+def _train(args: argparse.Namespace, inputs: TrainingInputs) -> int:
     base_model = args.base_model
     ranks = ranks_from_environment()
     if ranks is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from storage.jobs import list_runs
 from storage.policies import create_policy, get_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.integration.test_train_command import POLICY, TRAIN
+from tests.support.polling import wait_until
+from tests.support.sql import fetch_rows
 from tests.support.training_data import RewardedReply, write_rewarded_groups
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,3 +126,83 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
     [(_, status, path)] = asyncio.run(outcome())[0]
     assert status == "candidate" and (Path(path) / "adapter_model.safetensors").is_file()
     assert asyncio.run(outcome())[1] == ["succeeded"]
+
+
+def processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds `marker` (a test's own data directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    stat = (entry / "stat").read_text()
+                    if stat[stat.rindex(")") + 2] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """SIGTERM to `kaizen train` alone (a container's main process, as Kubernetes stops it) is passed on to
+    torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+
+    async def setup() -> None:
+        await upgrade_database(url)
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                await create_policy(
+                    session, POLICY, str(embedded_model), {"train": {**TRAIN, "epochs": 10_000}}
+                )
+                await session.commit()
+            replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
+            await write_rewarded_groups(
+                database, POLICY, [("Say hi.", replies), ("Say yes.", replies)], "fixed"
+            )
+        finally:
+            await database.dispose()
+
+    asyncio.run(setup())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    data_dir = f"KAIZEN_DATA_DIR={tmp_path / 'data'}"
+    log_path = tmp_path / "train.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+            env={
+                **env,
+                "KAIZEN_DATABASE_URL": url,
+                "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+                "KAIZEN_TRAIN_PROCESSES": "2",
+                "KAIZEN_TRAIN_SAMPLER": "local",
+            },
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: "step 1/" in log_path.read_text() or process.poll() is not None,
+            "the first optimizer step",
+            timeout_s=400,
+        )
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=180)
+        wait_until(lambda: not processes_with(data_dir), "torchrun and both trainers to exit", timeout_s=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in processes_with(data_dir):
+            os.kill(pid, signal.SIGKILL)
+    output = log_path.read_text()
+    assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", "interrupted"), output[-4000:]
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []

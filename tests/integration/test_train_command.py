@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from storage.database import Database
 from storage.policies import create_policy, get_policy, list_adapters
 from storage.schema import upgrade_database
+from tests.support.polling import wait_until
+from tests.support.sql import fetch_rows
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,27 +42,28 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
 
 
+async def _setup(url: str, embedded_model: Path, train: dict[str, Any]) -> None:
+    """A policy with one rewarded group of three replies."""
+    await upgrade_database(url)
+    database = Database(url)
+    try:
+        async with database.session() as session:
+            config = {"train": train, "gate": {"holdout_fraction": 0.0}}
+            await create_policy(session, POLICY, str(embedded_model), config)
+            await session.commit()
+        groups = [
+            ("Say hi.", [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)])
+        ]
+        await write_rewarded_groups(database, POLICY, groups, "fixed")
+    finally:
+        await database.dispose()
+
+
 def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     tmp_path: Path, embedded_model: Path
 ) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-
-    async def setup() -> None:
-        await upgrade_database(url)
-        database = Database(url)
-        try:
-            async with database.session() as session:
-                config = {"train": TRAIN, "gate": {"holdout_fraction": 0.0}}
-                await create_policy(session, POLICY, str(embedded_model), config)
-                await session.commit()
-            groups = [
-                ("Say hi.", [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)])
-            ]
-            await write_rewarded_groups(database, POLICY, groups, "fixed")
-        finally:
-            await database.dispose()
-
-    asyncio.run(setup())
+    asyncio.run(_setup(url, embedded_model, TRAIN))
     trained = subprocess.run(
         [
             sys.executable,
@@ -118,3 +125,55 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert again.returncode == 3, again.stderr[-4000:]
     assert "skipped" in again.stderr
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
+
+
+@pytest.mark.parametrize(
+    ("command", "signum"),
+    [
+        (["-m", "gateway", "train"], signal.SIGTERM),
+        (["-m", "gateway", "train"], signal.SIGINT),
+        (["-m", "trainer"], signal.SIGTERM),
+    ],
+    ids=["kaizen-train-sigterm", "kaizen-train-ctrl-c", "python-m-trainer-sigterm"],
+)
+def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
+    tmp_path: Path, embedded_model: Path, command: list[str], signum: signal.Signals
+) -> None:
+    """Kubernetes, torchrun and systemd stop a process with SIGTERM, a person with Ctrl-C: either way the run is
+    recorded as failed (not left `running` for ever), the policy's job lock is released at once (not after its
+    time-to-live), and the command exits with 128 + the signal's number and no traceback."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+    asyncio.run(_setup(url, embedded_model, {**TRAIN, "epochs": 10_000}))  # far longer than the test waits
+    log_path = tmp_path / "train.log"
+    settings = ["--policy", POLICY, "--data-dir", str(tmp_path / "data")]
+    if command[-1] == "train":
+        settings += ["--database-url", f"sqlite:///{tmp_path / 'kaizen.db'}", "--train-sampler", "local"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, *command, *settings],
+            env={**_env(), "KAIZEN_DATABASE_URL": url},
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: "step 1/" in log_path.read_text() or process.poll() is not None,
+            "the first optimizer step",
+            timeout_s=240,
+        )
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        process.send_signal(signum)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log_path.read_text()
+    assert process.returncode == 128 + signum, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", "interrupted")
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+    assert asyncio.run(fetch_rows(url, "SELECT version FROM adapters")) == []  # no candidate

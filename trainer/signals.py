@@ -1,0 +1,43 @@
+"""SIGTERM stops a command the way Ctrl-C does.
+
+Kubernetes, torchrun, systemd and time limits stop a process with SIGTERM, whose default action ends it where it
+stands: a training run stays `running` in `training_runs` for ever and the policy's job lock is held until its
+time-to-live runs out. Turned into SIGINT, SIGTERM takes the path a person's Ctrl-C takes instead: `asyncio.run`
+cancels its main task (or Python raises KeyboardInterrupt), the run is recorded as failed and the lock released,
+and the command exits with 128 + the number of the signal that stopped it, as a shell reports one.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class SigtermAsCtrlC:
+    """While entered, SIGTERM is raised again as SIGINT; `signal` is the one that came (SIGINT until SIGTERM
+    does)."""
+
+    def __init__(self) -> None:
+        self.signal = signal.SIGINT
+        self._previous: Handler = signal.SIG_DFL
+
+    def __enter__(self) -> SigtermAsCtrlC:
+        self._previous = signal.signal(signal.SIGTERM, self._terminate)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def _terminate(self, signum: int, frame: FrameType | None) -> None:
+        self.signal = signal.SIGTERM
+        signal.raise_signal(signal.SIGINT)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signal
