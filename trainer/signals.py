@@ -36,6 +36,9 @@ class SigtermAsCtrlC:
 
     def _terminate(self, signum: int, frame: FrameType | None) -> None:
         self.signal = signal.SIGTERM
+        if not callable(signal.getsignal(signal.SIGINT)):
+            # SIGINT ignored (a shell script's background job) or left to the system: stop all the same.
+            raise KeyboardInterrupt
         signal.raise_signal(signal.SIGINT)
 
     @property

@@ -127,21 +127,33 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 
+def ignore_sigint() -> None:
+    """What a shell script does to the commands it starts in the background (`kaizen train &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize(
-    ("command", "signum"),
+    ("command", "signum", "sigint_ignored"),
     [
-        (["-m", "gateway", "train"], signal.SIGTERM),
-        (["-m", "gateway", "train"], signal.SIGINT),
-        (["-m", "trainer"], signal.SIGTERM),
+        (["-m", "gateway", "train"], signal.SIGTERM, False),
+        (["-m", "gateway", "train"], signal.SIGINT, False),
+        (["-m", "trainer"], signal.SIGTERM, False),
+        (["-m", "trainer"], signal.SIGTERM, True),
     ],
-    ids=["kaizen-train-sigterm", "kaizen-train-ctrl-c", "python-m-trainer-sigterm"],
+    ids=[
+        "kaizen-train-sigterm",
+        "kaizen-train-ctrl-c",
+        "python-m-trainer-sigterm",
+        "python-m-trainer-sigterm-in-the-background",
+    ],
 )
 def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
-    tmp_path: Path, embedded_model: Path, command: list[str], signum: signal.Signals
+    tmp_path: Path, embedded_model: Path, command: list[str], signum: signal.Signals, sigint_ignored: bool
 ) -> None:
     """Kubernetes, torchrun and systemd stop a process with SIGTERM, a person with Ctrl-C: either way the run is
     recorded as failed (not left `running` for ever), the policy's job lock is released at once (not after its
-    time-to-live), and the command exits with 128 + the signal's number and no traceback."""
+    time-to-live), and the command exits with 128 + the signal's number and no traceback. SIGTERM works the
+    same where SIGINT is ignored."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     asyncio.run(_setup(url, embedded_model, {**TRAIN, "epochs": 10_000}))  # far longer than the test waits
     log_path = tmp_path / "train.log"
@@ -156,6 +168,7 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=ignore_sigint if sigint_ignored else None,  # noqa: PLW1509 (no threads in this child yet)
         )
     try:
         wait_until(
