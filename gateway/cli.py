@@ -669,8 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Commands that handle SIGTERM themselves, as servers do: a graceful stop, then the exit a supervisor expects.
-OWN_SIGTERM = frozenset({"serve", "worker", "demo"})
+def handles_sigterm(args: argparse.Namespace) -> bool:
+    """`serve`, `demo` and the long-running `worker` stop gracefully on SIGTERM themselves, as servers do; every
+    other command (`worker --once` too, whose job may be a training child) stops on it as on Ctrl-C."""
+    return args.command in ("serve", "demo") or (args.command == "worker" and not args.once)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -678,7 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupt = SigtermAsCtrlC()
     try:
         with contextlib.ExitStack() as stack:
-            if args.command not in OWN_SIGTERM:
+            if not handles_sigterm(args):
                 stack.enter_context(interrupt)
             return int(args.func(args))
     except KeyboardInterrupt:

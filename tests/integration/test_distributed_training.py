@@ -20,6 +20,7 @@ from storage.policies import create_policy, get_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.integration.test_train_command import POLICY, TRAIN
 from tests.support.polling import wait_until
+from tests.support.proc_stats import processes_with
 from tests.support.sql import fetch_rows
 from tests.support.training_data import RewardedReply, write_rewarded_groups
 
@@ -126,21 +127,6 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
     [(_, status, path)] = asyncio.run(outcome())[0]
     assert status == "candidate" and (Path(path) / "adapter_model.safetensors").is_file()
     assert asyncio.run(outcome())[1] == ["succeeded"]
-
-
-def processes_with(marker: str) -> list[int]:
-    """The live processes whose environment holds `marker` (a test's own data directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
-                    stat = (entry / "stat").read_text()
-                    if stat[stat.rindex(")") + 2] != "Z":
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed(

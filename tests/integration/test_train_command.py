@@ -17,6 +17,7 @@ from storage.database import Database
 from storage.policies import create_policy, get_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.support.polling import wait_until
+from tests.support.proc_stats import processes_with
 from tests.support.sql import fetch_rows
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 
@@ -133,60 +134,88 @@ def ignore_sigint() -> None:
 
 
 @pytest.mark.parametrize(
-    ("command", "signum", "sigint_ignored"),
+    ("command", "signum", "sigint_ignored", "error"),
     [
-        (["-m", "gateway", "train"], signal.SIGTERM, False),
-        (["-m", "gateway", "train"], signal.SIGINT, False),
-        (["-m", "trainer"], signal.SIGTERM, False),
-        (["-m", "trainer"], signal.SIGTERM, True),
+        (["-m", "gateway", "train"], signal.SIGTERM, False, "interrupted"),
+        (["-m", "gateway", "train"], signal.SIGINT, False, "interrupted"),
+        (["-m", "trainer"], signal.SIGTERM, False, "interrupted"),
+        (["-m", "trainer"], signal.SIGTERM, True, "interrupted"),
+        (
+            ["-m", "gateway", "worker", "--once", "train"],
+            signal.SIGTERM,
+            False,
+            "interrupted: the scheduler shut down",
+        ),
     ],
     ids=[
         "kaizen-train-sigterm",
         "kaizen-train-ctrl-c",
         "python-m-trainer-sigterm",
         "python-m-trainer-sigterm-in-the-background",
+        "kaizen-worker-once-sigterm",
     ],
 )
 def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
-    tmp_path: Path, embedded_model: Path, command: list[str], signum: signal.Signals, sigint_ignored: bool
+    tmp_path: Path,
+    embedded_model: Path,
+    command: list[str],
+    signum: signal.Signals,
+    sigint_ignored: bool,
+    error: str,
 ) -> None:
     """Kubernetes, torchrun and systemd stop a process with SIGTERM, a person with Ctrl-C: either way the run is
     recorded as failed (not left `running` for ever), the policy's job lock is released at once (not after its
-    time-to-live), and the command exits with 128 + the signal's number and no traceback. SIGTERM works the
-    same where SIGINT is ignored."""
+    time-to-live), no trainer is left running, and the command exits with 128 + the signal's number and no
+    traceback. SIGTERM works the same where SIGINT is ignored, and through `kaizen worker --once`, whose
+    training runs in a child process."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     asyncio.run(_setup(url, embedded_model, {**TRAIN, "epochs": 10_000}))  # far longer than the test waits
-    log_path = tmp_path / "train.log"
-    settings = ["--policy", POLICY, "--data-dir", str(tmp_path / "data")]
-    if command[-1] == "train":
-        settings += ["--database-url", f"sqlite:///{tmp_path / 'kaizen.db'}", "--train-sampler", "local"]
+    data = tmp_path / "data"
+    log_path = tmp_path / "command.log"
+    # The worker's training child writes its steps to the policy's training log.
+    steps_log = data / "logs" / f"train-{POLICY}.log" if "worker" in command else log_path
+    flags = ["--policy", POLICY]
+    if "trainer" in command:
+        flags += ["--data-dir", str(data)]
+    env = {
+        **_env(),
+        "KAIZEN_DATABASE_URL": url,
+        "KAIZEN_DATA_DIR": str(data),
+        "KAIZEN_TRAIN_SAMPLER": "local",
+    }
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, *command, *settings],
-            env={**_env(), "KAIZEN_DATABASE_URL": url},
+            [sys.executable, *command, *flags],
+            env=env,
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=ignore_sigint if sigint_ignored else None,  # noqa: PLW1509 (no threads in this child yet)
         )
+    marker = f"KAIZEN_DATA_DIR={data}"
     try:
         wait_until(
-            lambda: "step 1/" in log_path.read_text() or process.poll() is not None,
+            lambda: (
+                (steps_log.is_file() and "step 1/" in steps_log.read_text()) or process.poll() is not None
+            ),
             "the first optimizer step",
             timeout_s=240,
         )
         assert process.poll() is None, log_path.read_text()[-4000:]
         process.send_signal(signum)
         process.wait(timeout=120)
+        wait_until(lambda: not processes_with(marker), "every trainer to exit", timeout_s=30)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
     output = log_path.read_text()
     assert process.returncode == 128 + signum, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
-    assert (run["status"], run["error"]) == ("failed", "interrupted")
+    assert (run["status"], run["error"]) == ("failed", error)
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
     assert asyncio.run(fetch_rows(url, "SELECT version FROM adapters")) == []  # no candidate

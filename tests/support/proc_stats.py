@@ -36,6 +36,19 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def processes_with(variable: str) -> list[int]:
+    """The running processes (zombies aside) whose environment holds `variable` (`NAME=value`): a test's
+    children and everything they started, however deep."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                environment = (entry / "environ").read_bytes().split(b"\0")
+                if variable.encode() in environment and _stat(int(entry.name))[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time of a process, its running children and the children it has reaped (a server's backends)."""
     total = cpu_seconds(pid, with_reaped_children=True)
