@@ -16,18 +16,17 @@ import torch
 
 from storage.database import Database
 from storage.jobs import list_runs
-from storage.policies import create_policy, get_policy, list_adapters
-from storage.schema import upgrade_database
-from tests.integration.test_train_command import POLICY, TRAIN
-from tests.support.polling import wait_until
-from tests.support.proc_stats import processes_with
+from storage.policies import get_policy, list_adapters
+from tests.integration.test_train_command import POLICY, TRAIN, setup_policy
 from tests.support.sql import fetch_rows
-from tests.support.training_data import RewardedReply, write_rewarded_groups
+from tests.support.stopping import stop_mid_run
 
 REPO = Path(__file__).resolve().parents[2]
 # Two float32 sums of the same terms in another order: equal to a few parts in 10⁷. A step that counted one
 # process's share twice, or halved it (the engine averages), is off by a factor of two.
 RELATIVE_TOLERANCE = 1e-5
+#: Two groups, so that each of two processes has one.
+PROMPTS = ("Say hi.", "Say yes.")
 
 
 def step_gradients(model: Path, out: Path, processes: int, sharding: str) -> dict[str, torch.Tensor]:
@@ -79,20 +78,6 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
     reads the data and hands the samples over, both take the step, rank 0 writes the adapter and the rows."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
 
-    async def setup() -> None:
-        await upgrade_database(url)
-        database = Database(url)
-        try:
-            async with database.session() as session:
-                await create_policy(session, POLICY, str(embedded_model), {"train": TRAIN})
-                await session.commit()
-            replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
-            await write_rewarded_groups(
-                database, POLICY, [("Say hi.", replies), ("Say yes.", replies)], "fixed"
-            )
-        finally:
-            await database.dispose()
-
     async def outcome() -> tuple[list[tuple[int, str, str]], list[str]]:
         database = Database(url)
         try:
@@ -105,7 +90,7 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
             await database.dispose()
         return adapters, runs
 
-    asyncio.run(setup())
+    asyncio.run(setup_policy(url, embedded_model, {"train": TRAIN}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
     trained = subprocess.run(
         [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
@@ -135,60 +120,23 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
     """SIGTERM to `kaizen train` alone (a container's main process, as Kubernetes stops it) is passed on to
     torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-
-    async def setup() -> None:
-        await upgrade_database(url)
-        database = Database(url)
-        try:
-            async with database.session() as session:
-                await create_policy(
-                    session, POLICY, str(embedded_model), {"train": {**TRAIN, "epochs": 10_000}}
-                )
-                await session.commit()
-            replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
-            await write_rewarded_groups(
-                database, POLICY, [("Say hi.", replies), ("Say yes.", replies)], "fixed"
-            )
-        finally:
-            await database.dispose()
-
-    asyncio.run(setup())
+    asyncio.run(setup_policy(url, embedded_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
-    data_dir = f"KAIZEN_DATA_DIR={tmp_path / 'data'}"
-    log_path = tmp_path / "train.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
-            env={
-                **env,
-                "KAIZEN_DATABASE_URL": url,
-                "KAIZEN_DATA_DIR": str(tmp_path / "data"),
-                "KAIZEN_TRAIN_PROCESSES": "2",
-                "KAIZEN_TRAIN_SAMPLER": "local",
-            },
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_until(
-            lambda: "step 1/" in log_path.read_text() or process.poll() is not None,
-            "the first optimizer step",
-            timeout_s=400,
-        )
-        assert process.poll() is None, log_path.read_text()[-4000:]
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=180)
-        wait_until(lambda: not processes_with(data_dir), "torchrun and both trainers to exit", timeout_s=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in processes_with(data_dir):
-            os.kill(pid, signal.SIGKILL)
-    output = log_path.read_text()
-    assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+        {
+            **env,
+            "KAIZEN_DATABASE_URL": url,
+            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+            "KAIZEN_TRAIN_PROCESSES": "2",
+            "KAIZEN_TRAIN_SAMPLER": "local",
+        },
+        signal.SIGTERM,
+        tmp_path / "train.log",
+        start_timeout_s=400,
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-4000:]
+    assert stopped.output.count("training stopped by SIGTERM") == 2, stopped.output[-4000:]  # both ranks
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
-    assert (run["status"], run["error"]) == ("failed", "interrupted"), output[-4000:]
+    assert (run["status"], run["error"]) == ("failed", "interrupted"), stopped.output[-4000:]
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,8 @@ import pytest
 from storage.database import Database
 from storage.policies import create_policy, get_policy, list_adapters
 from storage.schema import upgrade_database
-from tests.support.polling import wait_until
-from tests.support.proc_stats import processes_with
 from tests.support.sql import fetch_rows
+from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,19 +43,18 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
 
 
-async def _setup(url: str, embedded_model: Path, train: dict[str, Any]) -> None:
-    """A policy with one rewarded group of three replies."""
+async def setup_policy(
+    url: str, embedded_model: Path, config: dict[str, Any], prompts: Sequence[str] = ("Say hi.",)
+) -> None:
+    """A policy with one rewarded group of three replies to each prompt."""
     await upgrade_database(url)
     database = Database(url)
     try:
         async with database.session() as session:
-            config = {"train": train, "gate": {"holdout_fraction": 0.0}}
             await create_policy(session, POLICY, str(embedded_model), config)
             await session.commit()
-        groups = [
-            ("Say hi.", [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)])
-        ]
-        await write_rewarded_groups(database, POLICY, groups, "fixed")
+        replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
+        await write_rewarded_groups(database, POLICY, [(prompt, replies) for prompt in prompts], "fixed")
     finally:
         await database.dispose()
 
@@ -64,7 +63,7 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     tmp_path: Path, embedded_model: Path
 ) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    asyncio.run(_setup(url, embedded_model, TRAIN))
+    asyncio.run(setup_policy(url, embedded_model, {"train": TRAIN, "gate": {"holdout_fraction": 0.0}}))
     trained = subprocess.run(
         [
             sys.executable,
@@ -128,11 +127,6 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 
-def ignore_sigint() -> None:
-    """What a shell script does to the commands it starts in the background (`kaizen train &`)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 @pytest.mark.parametrize(
     ("command", "signum", "sigint_ignored", "error"),
     [
@@ -169,11 +163,9 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     traceback. SIGTERM works the same where SIGINT is ignored, and through `kaizen worker --once`, whose
     training runs in a child process."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    asyncio.run(_setup(url, embedded_model, {**TRAIN, "epochs": 10_000}))  # far longer than the test waits
+    long_run = {**TRAIN, "epochs": 10_000}  # far longer than the test waits
+    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
     data = tmp_path / "data"
-    log_path = tmp_path / "command.log"
-    # The worker's training child writes its steps to the policy's training log.
-    steps_log = data / "logs" / f"train-{POLICY}.log" if "worker" in command else log_path
     flags = ["--policy", POLICY]
     if "trainer" in command:
         flags += ["--data-dir", str(data)]
@@ -183,38 +175,17 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
         "KAIZEN_DATA_DIR": str(data),
         "KAIZEN_TRAIN_SAMPLER": "local",
     }
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, *command, *flags],
-            env=env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=ignore_sigint if sigint_ignored else None,  # noqa: PLW1509 (no threads in this child yet)
-        )
-    marker = f"KAIZEN_DATA_DIR={data}"
-    try:
-        wait_until(
-            lambda: (
-                (steps_log.is_file() and "step 1/" in steps_log.read_text()) or process.poll() is not None
-            ),
-            "the first optimizer step",
-            timeout_s=240,
-        )
-        assert process.poll() is None, log_path.read_text()[-4000:]
-        process.send_signal(signum)
-        process.wait(timeout=120)
-        wait_until(lambda: not processes_with(marker), "every trainer to exit", timeout_s=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in processes_with(marker):
-            os.kill(pid, signal.SIGKILL)
-    output = log_path.read_text()
-    assert process.returncode == 128 + signum, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
+    stopped = stop_mid_run(
+        [sys.executable, *command, *flags],
+        env,
+        signum,
+        tmp_path / "command.log",
+        # The worker's training child writes its steps to the policy's training log.
+        steps_log=data / "logs" / f"train-{POLICY}.log" if "worker" in command else None,
+        sigint_ignored=sigint_ignored,
+    )
+    assert stopped.returncode == 128 + signum, stopped.output[-4000:]
+    assert "Traceback" not in stopped.output, stopped.output[-4000:]
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", error)
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []

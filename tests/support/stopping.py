@@ -1,0 +1,71 @@
+"""Stopping a training command with a signal in the middle of its run, as a supervisor (SIGTERM) or a person
+(Ctrl-C) does, and making sure that nothing it started outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.polling import wait_until
+from tests.support.proc_stats import processes_with
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ignore_sigint() -> None:
+    """What a shell script does to the commands it starts in the background (`kaizen train &`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    returncode: int
+    output: str
+
+
+def stop_mid_run(
+    argv: Sequence[str],
+    env: dict[str, str],
+    signum: signal.Signals,
+    log_path: Path,
+    *,
+    steps_log: Path | None = None,
+    sigint_ignored: bool = False,
+    start_timeout_s: float = 240,
+) -> Stopped:
+    """Start `argv` in a session of its own (its output to `log_path`), wait for its first optimizer step in
+    `steps_log` (default: its own output), send it `signum`, and wait for it and for every process that shares its
+    `KAIZEN_DATA_DIR` to exit; whatever is left is killed and fails the test."""
+    steps = steps_log or log_path
+    marker = f"KAIZEN_DATA_DIR={env['KAIZEN_DATA_DIR']}"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=ignore_sigint if sigint_ignored else None,  # noqa: PLW1509 (no threads in this child yet)
+        )
+    try:
+        wait_until(
+            lambda: (steps.is_file() and "step 1/" in steps.read_text()) or process.poll() is not None,
+            "the first optimizer step",
+            timeout_s=start_timeout_s,
+        )
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        process.send_signal(signum)
+        process.wait(timeout=180)
+        wait_until(lambda: not processes_with(marker), "every process it started to exit", timeout_s=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    return Stopped(process.returncode, log_path.read_text())
