@@ -669,18 +669,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def handles_sigterm(args: argparse.Namespace) -> bool:
-    """`serve`, `demo` and the long-running `worker` stop gracefully on SIGTERM themselves, as servers do; every
-    other command (`worker --once` too, whose job may be a training child) stops on it as on Ctrl-C."""
-    return args.command in ("serve", "demo") or (args.command == "worker" and not args.once)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     interrupt = SigtermAsCtrlC()
     try:
         with contextlib.ExitStack() as stack:
-            if not handles_sigterm(args):
+            # `serve` leaves SIGTERM to uvicorn: a graceful stop, then death by the signal, which service
+            # managers count as a clean stop. The long-running worker and the demo install handlers of their own
+            # while their loop runs, which take over from this one.
+            if args.command != "serve":
                 stack.enter_context(interrupt)
             return int(args.func(args))
     except KeyboardInterrupt:

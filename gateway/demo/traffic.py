@@ -91,11 +91,12 @@ class SimulatedApp:
                 tasks.append(asyncio.create_task(one(self._next_question())))
                 await asyncio.sleep(1 / self.rate)
             return list(await asyncio.gather(*tasks))
-        finally:
+        except BaseException:
             # A cycle cut short (the demo was stopped) leaves no call running behind it.
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def _call(self, question: Question) -> CallResult:
         try:

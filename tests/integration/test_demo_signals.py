@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.demo_process import CYCLE_CALLS
 from tests.support.polling import wait_until
-from tests.support.proc_stats import child_pids
+from tests.support.proc_stats import child_pids, running
 from tests.support.scripted_upstream import ScriptedUpstream
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +40,6 @@ def serving_children(pid: int) -> list[int]:
             if b"serve" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
                 found.append(child)
     return found
-
-
-def running(pid: int) -> bool:
-    """Whether a process still runs: an exited one not reaped yet (a zombie) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,14 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def running(pid: int) -> bool:
+    """Whether a process still runs: an exited one not reaped yet (a zombie) does not."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def processes_with(variable: str) -> list[int]:
     """The running processes (zombies aside) whose environment holds `variable` (`NAME=value`): a test's
     children and everything they started, however deep."""
@@ -44,7 +52,7 @@ def processes_with(variable: str) -> list[int]:
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError):
                 environment = (entry / "environ").read_bytes().split(b"\0")
-                if variable.encode() in environment and _stat(int(entry.name))[0] != "Z":
+                if variable.encode() in environment and running(int(entry.name)):
                     found.append(int(entry.name))
     return found
 
