@@ -35,6 +35,11 @@ def _json_schema(node: Any) -> Any:
 
 @functools.cache
 def _registry() -> Registry:
+    if not SPEC_PATH.is_file():
+        raise FileNotFoundError(
+            f"OpenAI's API description is not at {SPEC_PATH}: the tests read {_SPEC} from the nearest directory "
+            "above the checkout that has it, so clone the repository next to that `shared/` directory"
+        )
     spec = _json_schema(copy.deepcopy(json.loads(SPEC_PATH.read_text())))
     return Registry().with_resource("openai", Resource.from_contents(spec, default_specification=_draft()))
 
