@@ -162,9 +162,12 @@ def test_stored_segments_are_deleted(tmp_path: Path, database_path: Path) -> Non
         async def deleted() -> bool:
             return first not in segment_numbers(sink.wal.directory)
 
+        async def settled() -> bool:  # the writer's status reaches the sink after it deletes the segment
+            return bool(sink.snapshot()["log_unsettled"] == 0)
+
         await wait_until_async(deleted, "the stored segment to be deleted", timeout_s=30)
         assert stored_ids(database_path) == ["call-0", "call-1", "call-2"]
-        assert sink.snapshot()["log_unsettled"] == 0
+        await wait_until_async(settled, "the sink to count the three calls as settled", timeout_s=30)
         await sink.stop()
 
     asyncio.run(run())
