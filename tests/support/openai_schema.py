@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,15 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 _SPEC = Path("shared") / "reference" / "openai-openapi.json"
-# The nearest `shared/` above the checkout: /work/shared for /work/main and for worktrees under /work/wt.
-SPEC_PATH = next(
-    (p / _SPEC for p in Path(__file__).resolve().parents if (p / _SPEC).is_file()),
-    Path(__file__).resolve().parents[3] / _SPEC,
+# OPENAI_OPENAPI_JSON names the file for a checkout that is not next to `shared/`; otherwise the nearest `shared/`
+# above the checkout: /work/shared for /work/main and for worktrees under /work/wt.
+SPEC_PATH = (
+    Path(os.environ["OPENAI_OPENAPI_JSON"])
+    if os.environ.get("OPENAI_OPENAPI_JSON")
+    else next(
+        (p / _SPEC for p in Path(__file__).resolve().parents if (p / _SPEC).is_file()),
+        Path(__file__).resolve().parents[3] / _SPEC,
+    )
 )
 
 
@@ -38,7 +44,8 @@ def _registry() -> Registry:
     if not SPEC_PATH.is_file():
         raise FileNotFoundError(
             f"OpenAI's API description is not at {SPEC_PATH}: the tests read {_SPEC} from the nearest directory "
-            "above the checkout that has it, so clone the repository next to that `shared/` directory"
+            "above the checkout that has it, so clone the repository next to that `shared/` directory or set "
+            "OPENAI_OPENAPI_JSON to the file's path"
         )
     spec = _json_schema(copy.deepcopy(json.loads(SPEC_PATH.read_text())))
     return Registry().with_resource("openai", Resource.from_contents(spec, default_specification=_draft()))
