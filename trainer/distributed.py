@@ -1,6 +1,6 @@
 """Training one adapter on several processes (one per GPU, on one node or many) with PyTorch's own engines.
 
-`torchrun` (`python -m torch.distributed.run`, see `trainer.launch`) starts the processes, each running
+`torchrun` (`python -m trainer.torchrun`, see `trainer.launch`) starts the processes, each running
 `python -m trainer`. Rank 0 is the run: it holds the job lock, reads the data, resamples and
 scores, writes the adapter and the run's rows. The others follow: they load the same model, receive the samples
 from rank 0, and take part in every optimizer step. The model is wrapped with FSDP (`fully_shard`: the frozen base

@@ -31,8 +31,9 @@ def ranks_from_environment(env: Mapping[str, str] | None = None) -> Ranks | None
 
 
 def torchrun_command(python: str, processes: int, trainer_arguments: Sequence[str]) -> list[str]:
-    """`python -m trainer ...` as `processes` processes on this machine (one per GPU), through torchrun."""
+    """`python -m trainer ...` as `processes` processes on this machine (one per GPU), through torchrun (as
+    `trainer.torchrun` wraps it, so a stop by signal is no traceback)."""
     return [
-        python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+        python, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node", str(processes),
         "-m", "trainer", *trainer_arguments,
     ]  # fmt: skip

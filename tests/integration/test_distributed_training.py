@@ -118,7 +118,8 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
     tmp_path: Path, embedded_model: Path
 ) -> None:
     """SIGTERM to `kaizen train` alone (a container's main process, as Kubernetes stops it) is passed on to
-    torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left."""
+    torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left, and
+    every process ends in a log line rather than a traceback."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     asyncio.run(setup_policy(url, embedded_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
@@ -137,6 +138,8 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
     )
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-4000:]
     assert stopped.output.count("training stopped by SIGTERM") == 2, stopped.output[-4000:]  # both ranks
+    assert "torchrun stopped by SIGTERM" in stopped.output, stopped.output[-4000:]
+    assert "Traceback" not in stopped.output, stopped.output[-4000:]
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", "interrupted"), stopped.output[-4000:]
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
