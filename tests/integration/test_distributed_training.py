@@ -75,7 +75,8 @@ def test_two_processes_take_the_step_one_process_takes(
 
 def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedded_model: Path) -> None:
     """The whole run through `kaizen train` with KAIZEN_TRAIN_PROCESSES=2: torchrun starts two trainers, rank 0
-    reads the data and hands the samples over, both take the step, rank 0 writes the adapter and the rows."""
+    reads the data and hands the samples over, both take the step, rank 0 writes the adapter and the rows. A
+    second run finds nothing new and exits as on one process (3, skipped), without a traceback."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
 
     async def outcome() -> tuple[list[tuple[int, str, str]], list[str]]:
@@ -92,26 +93,35 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
 
     asyncio.run(setup_policy(url, embedded_model, {"train": TRAIN}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
-    trained = subprocess.run(
-        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
-        env={
-            **env,
-            "KAIZEN_DATABASE_URL": url,
-            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
-            "KAIZEN_TRAIN_PROCESSES": "2",
-            "KAIZEN_TRAIN_SAMPLER": "local",
-        },
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+
+    def kaizen_train() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+            env={
+                **env,
+                "KAIZEN_DATABASE_URL": url,
+                "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+                "KAIZEN_TRAIN_PROCESSES": "2",
+                "KAIZEN_TRAIN_SAMPLER": "local",
+            },
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+
+    trained = kaizen_train()
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-4000:]
     assert "training process 1 of 2" in trained.stderr  # the follower took part
     [(_, status, path)] = asyncio.run(outcome())[0]
     assert status == "candidate" and (Path(path) / "adapter_model.safetensors").is_file()
     assert asyncio.run(outcome())[1] == ["succeeded"]
+
+    again = kaizen_train()
+    assert again.returncode == 3, again.stdout[-3000:] + again.stderr[-4000:]
+    assert "Traceback" not in again.stderr, again.stderr[-4000:]
+    assert asyncio.run(outcome())[1] == ["skipped", "succeeded"]
 
 
 def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed(

@@ -1,6 +1,6 @@
-"""`python -m trainer.torchrun`, the launcher of training on several processes: torchrun's exit status for a run
-that ends by itself, and for one stopped by a signal one log line and 128 + the signal's number instead of
-torchrun's traceback, with every process it started stopped."""
+"""`python -m trainer.torchrun`, the launcher of training on several processes: a run that ends by itself exits
+with its trainer's status, and one stopped by a signal with 128 + the signal's number after one log line, with
+every process it started stopped; neither prints torchrun's traceback."""
 
 from __future__ import annotations
 
@@ -23,7 +23,10 @@ import os, sys, time
 from pathlib import Path
 Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
 if len(sys.argv) > 2:
-    sys.exit(int(sys.argv[2]))
+    status = int(sys.argv[2])
+    if status < 0:
+        os.kill(os.getpid(), -status)
+    sys.exit(status)
 try:
     time.sleep(600)
 except KeyboardInterrupt:
@@ -75,11 +78,18 @@ def test_a_signal_stops_every_process_and_ends_in_a_log_line(tmp_path: Path, sig
     )
 
 
-@pytest.mark.parametrize(("status", "expected"), [(0, 0), (3, 1)], ids=["succeeded", "failed"])
-def test_a_run_that_ends_by_itself_keeps_torchruns_exit_status(
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [(0, 0), (3, 3), (-signal.SIGKILL, 128 + signal.SIGKILL)],
+    ids=["succeeded", "skipped-or-failed", "killed"],
+)
+def test_a_run_that_ends_by_itself_exits_with_its_trainers_status(
     tmp_path: Path, status: int, expected: int
 ) -> None:
+    """As `python -m trainer` would on one process; a failure is torchrun's summary, not a traceback."""
     launcher = launch(tmp_path, str(status))
     output, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == expected, output[-4000:]
-    assert "torchrun stopped by" not in output
+    assert "Traceback" not in output, output[-4000:]
+    if status != 0:
+        assert "Root Cause (first observed failure)" in output, output[-4000:]
