@@ -31,8 +31,9 @@ def ranks_from_environment(env: Mapping[str, str] | None = None) -> Ranks | None
 
 
 def torchrun_command(python: str, processes: int, trainer_arguments: Sequence[str]) -> list[str]:
-    """`python -m trainer ...` as `processes` processes on this machine (one per GPU), through torchrun (as
-    `trainer.torchrun` wraps it, so a stop by signal is no traceback)."""
+    """`python -m trainer ...` as `processes` processes on this machine (one per GPU), through torchrun as
+    `trainer.torchrun` wraps it: a stop by signal or a failed run ends in a log line and an exit status, not a
+    traceback."""
     return [
         python, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node", str(processes),
         "-m", "trainer", *trainer_arguments,
