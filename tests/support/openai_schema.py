@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,37 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
 _SPEC = Path("shared") / "reference" / "openai-openapi.json"
-# OPENAI_OPENAPI_JSON names the file for a checkout that is not next to `shared/`; otherwise the nearest `shared/`
-# above the checkout: /work/shared for /work/main and for worktrees under /work/wt.
-SPEC_PATH = (
-    Path(os.environ["OPENAI_OPENAPI_JSON"])
-    if os.environ.get("OPENAI_OPENAPI_JSON")
-    else next(
-        (p / _SPEC for p in Path(__file__).resolve().parents if (p / _SPEC).is_file()),
-        Path(__file__).resolve().parents[3] / _SPEC,
-    )
-)
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def _spec_path() -> Path:
+    """OPENAI_OPENAPI_JSON when set; else `shared/` in the nearest directory that has it above the checkout
+    (/work/shared for /work/main and its worktrees) or above the checkout a local clone was made from
+    (`git clone . /tmp/x`); else where it would be next to the checkout, for the error to name."""
+    named = os.environ.get("OPENAI_OPENAPI_JSON")
+    if named:
+        return Path(named)
+    for checkout in (_CHECKOUT, _cloned_from(_CHECKOUT)):
+        if checkout is not None:
+            found = next((d / _SPEC for d in (checkout, *checkout.parents) if (d / _SPEC).is_file()), None)
+            if found is not None:
+                return found
+    return _CHECKOUT.parent / _SPEC
+
+
+def _cloned_from(checkout: Path) -> Path | None:
+    """The directory `origin` names when it is one on this machine (a local clone), else None."""
+    try:
+        url = subprocess.run(
+            ["git", "-C", str(checkout), "config", "--get", "remote.origin.url"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:  # no git
+        return None
+    origin = Path(url.removeprefix("file://"))
+    return origin.resolve() if url and origin.is_absolute() and origin.is_dir() else None
 
 
 def _json_schema(node: Any) -> Any:
@@ -41,13 +63,14 @@ def _json_schema(node: Any) -> Any:
 
 @functools.cache
 def _registry() -> Registry:
-    if not SPEC_PATH.is_file():
+    path = _spec_path()
+    if not path.is_file():
         raise FileNotFoundError(
-            f"OpenAI's API description is not at {SPEC_PATH}: the tests read {_SPEC} from the nearest directory "
-            "above the checkout that has it, so clone the repository next to that `shared/` directory or set "
-            "OPENAI_OPENAPI_JSON to the file's path"
+            f"OpenAI's API description is not at {path}: the tests read {_SPEC} from the nearest directory above "
+            "the checkout (or above the one it was cloned from) that has it, so clone the repository next to that "
+            "`shared/` directory or set OPENAI_OPENAPI_JSON to the file's path"
         )
-    spec = _json_schema(copy.deepcopy(json.loads(SPEC_PATH.read_text())))
+    spec = _json_schema(copy.deepcopy(json.loads(path.read_text())))
     return Registry().with_resource("openai", Resource.from_contents(spec, default_specification=_draft()))
 
 
