@@ -12,35 +12,26 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Sequence
 
 log = logging.getLogger("trainer.torchrun")  # also when run as __main__
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run torchrun on `argv` (default: this process's arguments); 0 when every process succeeded."""
+def main() -> int:
+    """Run torchrun on this process's arguments; 0 when every training process succeeded."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(None if argv is None else list(argv))
+        torchrun_main()
     except SignalException as stop:
         log.warning("torchrun stopped by %s; it stopped every training process first", stop.sigval.name)
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
         log.error("training processes failed; torchrun's summary:%s", failed)  # its message is the summary
-        failure = failed.failures.get(0) or failed.get_first_failure()[1]
-        return exit_status(failure.exitcode)
+        code = (failed.failures.get(0) or failed.get_first_failure()[1]).exitcode  # non-zero; -n: killed by n
+        return 128 - code if code < 0 else code
     return 0
-
-
-def exit_status(exitcode: int) -> int:
-    """A process's status as a shell reports it: a negative exit code is death by that signal (128 + its number);
-    0 (a process that exited cleanly yet counted as failed) is 1."""
-    if exitcode < 0:
-        return 128 - exitcode
-    return exitcode or 1
 
 
 if __name__ == "__main__":
