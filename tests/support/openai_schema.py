@@ -19,17 +19,19 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 
 def _spec_path() -> Path:
     """OPENAI_OPENAPI_JSON when set; else `shared/` in the nearest directory that has it above the checkout
-    (/work/shared for /work/main and its worktrees) or above the checkout a local clone was made from
-    (`git clone . /tmp/x`); else where it would be next to the checkout, for the error to name."""
+    (/work/shared for /work/main and its worktrees) or, failing that, above the checkout a local clone was made
+    from (`git clone . /tmp/x`); else where it would be next to the checkout, for the error to name."""
     named = os.environ.get("OPENAI_OPENAPI_JSON")
     if named:
         return Path(named)
-    for checkout in (_CHECKOUT, _cloned_from(_CHECKOUT)):
-        if checkout is not None:
-            found = next((d / _SPEC for d in (checkout, *checkout.parents) if (d / _SPEC).is_file()), None)
-            if found is not None:
-                return found
-    return _CHECKOUT.parent / _SPEC
+    found = _nearest_spec(_CHECKOUT)
+    if found is None and (origin := _cloned_from(_CHECKOUT)) is not None:
+        found = _nearest_spec(origin)
+    return found or _CHECKOUT.parent / _SPEC
+
+
+def _nearest_spec(start: Path) -> Path | None:
+    return next((d / _SPEC for d in (start, *start.parents) if (d / _SPEC).is_file()), None)
 
 
 def _cloned_from(checkout: Path) -> Path | None:
