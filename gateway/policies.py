@@ -28,6 +28,10 @@ from trainer.policy_config import TrainConfig, load_policy_config
 log = logging.getLogger(__name__)
 
 
+class BaseModelUnavailable(ValueError):
+    """The base model named for a new policy could not be loaded: a client's mistake, answered with a 400."""
+
+
 def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfig) -> None:
     """Save a fresh LoRA for the base model. PEFT initialises B to zero, so it changes nothing yet.
 
@@ -39,7 +43,10 @@ def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfi
 
     if target.exists():
         return  # an earlier, interrupted create got this far: the directory is complete (it is renamed in)
-    model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
+    try:
+        model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
+    except (OSError, ValueError) as exc:  # transformers' answers for no such model, directory or hub id
+        raise BaseModelUnavailable(f"base model {base_path!r} could not be loaded: {exc}") from exc
     save_adapter(model, target)
 
 
@@ -55,7 +62,8 @@ async def create_policy_with_initial_adapter(
     """Create policy `name` on `base_model` with version 0 active. Idempotent with `exist_ok`.
 
     Raises `InvalidPolicyConfig` (naming every problem) for a bad `config`; it is stored as given, so keys
-    it leaves out keep following the defaults."""
+    it leaves out keep following the defaults. Raises `BaseModelUnavailable` when the base model cannot be
+    loaded; nothing is written then."""
     config = config or {}
     validated = load_policy_config(config)
     async with database.session() as session:

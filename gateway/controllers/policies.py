@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import principal_of, requires
 from gateway.controllers.params import PathName, PolicyName, Version
 from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
-from gateway.policies import create_policy_with_initial_adapter
+from gateway.policies import BaseModelUnavailable, create_policy_with_initial_adapter
 from gateway.settings import Settings
 from storage.audit import record_audit
 from storage.database import Database
@@ -91,6 +91,8 @@ class PoliciesController(Controller):
             )
         except InvalidPolicyConfig as exc:
             raise invalid_policy_config(exc) from exc
+        except BaseModelUnavailable as exc:
+            raise InvalidRequest(str(exc), param="base_model", code="base_model_unavailable") from exc
         except (PolicyExists, ValueError) as exc:
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
         [view] = await _view(session, data.name)

@@ -183,7 +183,11 @@ ROUTES = [
         "/admin/policies",
         ADMIN_KEY,
         {"name": "fuzz", "base_model": "no-such-base-model"},
-        {"name": [None, 5, [], "", "nul\u0000"], "config": ["x", [1]], "base_model": [5]},
+        {
+            "name": [None, 5, [], "", "nul\u0000"],
+            "config": ["x", [1]],
+            "base_model": [5, "/no/such/model"],
+        },
         required=("name",),
     ),
     Route(

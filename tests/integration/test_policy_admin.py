@@ -142,3 +142,39 @@ def test_the_cli_refuses_a_bad_policy_configuration_file(
     assert main(["policy", "create", "bot", "--policy-config", str(config), *flags]) == 2
     assert "train.epochs" in caplog.text and "gate.tolerance" in caplog.text
     assert query(url, "SELECT name FROM policies") == []
+
+
+@pytest.mark.parametrize("kind", ["not a repo id", "a directory with no model"])
+def test_a_base_model_that_cannot_be_loaded_is_a_400_and_nothing_is_written(
+    make_gateway: MakeGateway, database_url: str, tmp_path: Path, kind: str
+) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    base_model = "/no/such/model" if kind == "not a repo id" else str(empty)
+    gw = make_gateway(database_url, admin_key="adm")
+    refused = httpx.post(
+        gw.url + "/admin/policies",
+        json={"name": "bot", "base_model": base_model},
+        headers={"authorization": "Bearer adm"},
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        "base_model",
+        "base_model_unavailable",
+    )
+    assert base_model in error["message"]
+    assert query(database_url, "SELECT name FROM policies") == []
+    adapters = gw.settings.data_dir / "adapters"
+    assert not adapters.exists() or not any(adapters.rglob("*"))
+
+
+def test_the_cli_refuses_a_base_model_that_cannot_be_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    flags = ["--database-url", url, "--data-dir", str(tmp_path), "--base-model", "/no/such/model"]
+    assert main(["policy", "create", "bot", *flags]) == 2
+    assert "base model '/no/such/model' could not be loaded" in caplog.text
+    assert query(url, "SELECT name FROM policies") == []
