@@ -71,18 +71,26 @@ def resolve_base_model(name_or_path: str, models_dir: Path) -> str:
     """
     if name_or_path in EMBEDDED_MODELS:
         return str(pull_base_model(name_or_path, models_dir))
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        return str(local.resolve())
-    return name_or_path
+    local = _local_directory(name_or_path)
+    return str(local.resolve()) if local is not None else name_or_path
 
 
 def served_model_name(name_or_path: str) -> str:
     """The name clients use for the base model: embedded names and HF ids as they are, a directory's name."""
     if name_or_path in EMBEDDED_MODELS:
         return name_or_path
-    local = Path(name_or_path).expanduser()
-    return local.name if local.is_dir() else name_or_path
+    local = _local_directory(name_or_path)
+    return local.name if local is not None else name_or_path
+
+
+def _local_directory(name_or_path: str) -> Path | None:
+    """The directory `name_or_path` names, or None. A name that cannot be a path (too long for the file system,
+    an unknown user's `~`, a NUL) names no directory: it is left to the loader, which refuses it as a model id."""
+    try:
+        local = Path(name_or_path).expanduser()
+        return local if local.is_dir() else None
+    except (OSError, RuntimeError, ValueError):
+        return None
 
 
 def pull_base_model(name: str, models_dir: Path) -> Path:

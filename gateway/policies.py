@@ -46,8 +46,15 @@ def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfi
     try:
         model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
     except (OSError, ValueError) as exc:  # transformers' answers for no such model, directory or hub id
-        raise BaseModelUnavailable(f"base model {base_path!r} could not be loaded: {exc}") from exc
+        raise BaseModelUnavailable(
+            f"base model {_clip(base_path)!r} could not be loaded: {_clip(str(exc))}"
+        ) from exc
     save_adapter(model, target)
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """At most `limit` characters of `text`: a 70 kB name is echoed back by the loader, and by the 400."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 async def create_policy_with_initial_adapter(

@@ -27,6 +27,7 @@ from gateway.base_models import (
     is_complete,
     pull_base_model,
     resolve_base_model,
+    served_model_name,
 )
 
 NAME = "smollm2-135m-instruct"
@@ -251,3 +252,13 @@ def test_template_renders_tools_calls_and_results_hermes_style() -> None:
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+@pytest.mark.parametrize("name", ["x" * 5000, "~no-such-user-here/model", "nul\u0000byte"])
+def test_a_name_that_cannot_be_a_path_passes_through_as_a_hub_id(
+    tmp_path: Path, fake: FakeBuild, name: str
+) -> None:
+    """Too long for the file system or naming an unknown user's home: not a directory, so not an error here (the
+    loader then refuses it as a model id)."""
+    assert resolve_base_model(name, tmp_path) == name
+    assert served_model_name(name) == name
