@@ -237,18 +237,30 @@ def generate(
     return tuple(outputs)
 
 
+def _schema_object(schema: dict[str, Any], key: str) -> dict[str, Any]:
+    """`schema[key]` where the schema must hold an object: a real engine cannot compile the schema otherwise."""
+    value = schema.get(key) or {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"invalid JSON schema: {key!r} must be an object")
+    return value
+
+
 def example_of(schema: Any, defs: dict[str, Any] | None = None) -> Any:
     """A small value valid under a JSON schema (the subset tools and response formats use)."""
     if not isinstance(schema, dict):
         return "x"
-    defs = {**(defs or {}), **schema.get("$defs", {}), **schema.get("definitions", {})}
+    defs = {**(defs or {}), **_schema_object(schema, "$defs"), **_schema_object(schema, "definitions")}
     if "$ref" in schema:
         return example_of(defs.get(str(schema["$ref"]).rsplit("/", 1)[-1]), defs)
     if "const" in schema:
         return schema["const"]
     if schema.get("enum"):
+        if not isinstance(schema["enum"], list):
+            raise BadRequest("invalid JSON schema: 'enum' must be an array")
         return schema["enum"][0]
     for key in ("anyOf", "oneOf", "allOf"):
+        if not isinstance(schema.get(key, []), list):
+            raise BadRequest(f"invalid JSON schema: {key!r} must be an array")
         options = [o for o in schema.get(key, []) if not (isinstance(o, dict) and o.get("type") == "null")]
         if options:
             return example_of(options[0], defs)
@@ -256,7 +268,7 @@ def example_of(schema: Any, defs: dict[str, Any] | None = None) -> Any:
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object" or "properties" in schema:
-        return {name: example_of(sub, defs) for name, sub in (schema.get("properties") or {}).items()}
+        return {name: example_of(sub, defs) for name, sub in _schema_object(schema, "properties").items()}
     if kind == "array":
         return [example_of(schema.get("items"), defs)]
     return {"integer": 2, "number": 1.5, "boolean": True, "null": None}.get(str(kind), "Paris")
