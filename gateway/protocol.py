@@ -20,8 +20,13 @@ class TextPart(Struct, tag_field="type", tag="text"):
     text: str
 
 
+class ImageUrl(Struct):
+    url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
 class ImagePart(Struct, tag_field="type", tag="image_url"):
-    image_url: dict[str, Any]
+    image_url: ImageUrl
 
 
 class AudioPart(Struct, tag_field="type", tag="input_audio"):
@@ -47,8 +52,8 @@ class FunctionCall(Struct):
 
 class ToolCall(Struct):
     id: str
+    type: Literal["function"]
     function: FunctionCall
-    type: Literal["function"] = "function"
 
 
 class SystemMessage(Struct, tag_field="role", tag="system"):
@@ -87,8 +92,12 @@ class FunctionMessage(Struct, tag_field="role", tag="function"):
 Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage
 
 
+# The names of functions and response formats: letters, digits, underscores and dashes, at most 64.
+Name = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
 class FunctionDefinition(Struct):
-    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Name
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -169,11 +178,34 @@ class StreamOptions(Struct):
     include_obfuscation: bool | None = None
 
 
-class ResponseFormat(Struct):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+class ResponseFormatText(Struct, tag_field="type", tag="text"):
+    """`ResponseFormatText`."""
 
 
+class ResponseFormatJsonObject(Struct, tag_field="type", tag="json_object"):
+    """`ResponseFormatJsonObject`."""
+
+
+class JsonSchema(Struct):
+    """`ResponseFormatJsonSchema.json_schema`: typed here so a malformed one is the client's 400, not a failed
+    call the engine refused."""
+
+    name: Name
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJsonSchema(Struct, tag_field="type", tag="json_schema"):
+    """`ResponseFormatJsonSchema`."""
+
+    json_schema: JsonSchema
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 # Engines keep token counts in 32-bit and seeds in 64-bit integers: larger numbers are refused here, as the
 # client's error, instead of being sent on (and recorded as a failed call) or overflowing the engine.
@@ -192,6 +224,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
     max_tokens: TokenCount | None = None
+    reasoning_effort: ReasoningEffort | None = None
     max_completion_tokens: TokenCount | None = None
     stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
     seed: Seed | None = None
@@ -527,7 +560,7 @@ class ResponsesFunctionTool(Struct, kw_only=True):
     """`FunctionTool`; its `parameters` and `strict` are echoed in the response (null when not given)."""
 
     type: Literal["function"] = "function"
-    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Name
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -551,7 +584,7 @@ class TextFormatText(Struct, tag_field="type", tag="text"):
 
 class TextFormatJsonSchema(Struct, tag_field="type", tag="json_schema", kw_only=True):
     description: str | None = None
-    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Name
     schema: dict[str, Any]
     strict: bool | None = None
 

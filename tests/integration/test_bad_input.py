@@ -45,6 +45,42 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         None,
     ),
     ("tool message without id", body(messages=[{"role": "tool", "content": "r"}]), {}, 400, "messages[0]"),
+    (
+        "tool call without its type",
+        body(
+            messages=[
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        ),
+        {},
+        400,
+        "messages[0].tool_calls[0]",
+    ),
+    (
+        "image part without its url",
+        body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}]),
+        {},
+        400,
+        "messages[0].content[0].image_url",
+    ),
+    (
+        "image detail not one of the spec's",
+        body(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "x", "detail": "max"}}],
+                }
+            ]
+        ),
+        {},
+        400,
+        "messages[0].content[0].image_url.detail",
+    ),
+    ("unknown reasoning_effort", body(reasoning_effort="extreme"), {}, 400, "reasoning_effort"),
     ("n zero", body(n=0), {}, 400, "n"),
     ("n above the cap", body(n=100), {}, 400, "n"),
     ("n wrong type", body(n="2"), {}, 400, "n"),
@@ -134,6 +170,30 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         "messages[0].content[0]",
     ),
     ("unknown response_format", body(response_format={"type": "xml"}), {}, 400, "response_format.type"),
+    ("json_schema format without its schema", body(response_format={"type": "json_schema"}), {}, 400, None),
+    (
+        "json_schema name not a string",
+        body(
+            response_format={"type": "json_schema", "json_schema": {"name": 5, "schema": {"type": "object"}}}
+        ),
+        {},
+        400,
+        "response_format.json_schema.name",
+    ),
+    (
+        "json_schema strict not a bool",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "a", "strict": "yes"}}),
+        {},
+        400,
+        "response_format.json_schema.strict",
+    ),
+    (
+        "json_schema schema not an object",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}),
+        {},
+        400,
+        "response_format.json_schema.schema",
+    ),
     ("stream not a bool", body(stream="yes"), {}, 400, "stream"),
     (
         "stream_options without stream",
