@@ -41,8 +41,16 @@ class RefusalPart(Struct, tag_field="type", tag="refusal"):
     refusal: str
 
 
+class TextOnlyPart(Struct):
+    """A part of a message that holds text alone (system, developer, tool). `type` is a field here, not a tag:
+    msgspec requires a tag only inside a union, and the spec requires it always."""
+
+    type: Literal["text"]
+    text: str
+
+
 UserContent = str | list[TextPart | ImagePart | AudioPart | FilePart]
-TextContent = str | list[TextPart]
+TextContent = str | list[TextOnlyPart]
 
 
 class FunctionCall(Struct):
@@ -77,6 +85,16 @@ class AssistantMessage(Struct, tag_field="role", tag="assistant"):
     refusal: str | None = None
     name: str | None = None
     function_call: FunctionCall | None = None
+
+    def __post_init__(self) -> None:
+        # The spec requires content unless the message calls a tool; a refusal echoed back is let through.
+        if (
+            self.content is None
+            and not self.tool_calls
+            and self.function_call is None
+            and self.refusal is None
+        ):
+            raise ValueError("an assistant message needs content or tool_calls")
 
 
 class ToolMessage(Struct, tag_field="role", tag="tool"):

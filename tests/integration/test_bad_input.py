@@ -60,6 +60,20 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         "messages[0].tool_calls[0]",
     ),
     (
+        "text part without its type",
+        body(messages=[{"role": "system", "content": [{"text": "be brief"}]}, *USER]),
+        {},
+        400,
+        "messages[0].content[0]",
+    ),
+    (
+        "assistant message with neither content nor tool calls",
+        body(messages=[*USER, {"role": "assistant", "content": None, "tool_calls": None}, *USER]),
+        {},
+        400,
+        "messages[1]",
+    ),
+    (
         "image part without its url",
         body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}]),
         {},
