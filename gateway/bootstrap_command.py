@@ -365,7 +365,7 @@ def run_bootstrap(settings: Settings, args: argparse.Namespace) -> int:
     try:
         asyncio.run(bootstrap(options, writer, report))
     except (KaizenError, ScenarioError, RuntimeError, TimeoutError) as exc:
-        log.error("kaizen bootstrap: %s", exc)
+        log.error("bootstrap: %s", exc)
         report.notes.append(str(exc))
         return 1
     finally:

@@ -345,7 +345,7 @@ def cmd_policy_switch(args: argparse.Namespace) -> int:
     try:
         version = asyncio.run(run())
     except LookupError as exc:
-        log.error("kaizen: %s", exc)
+        log.error("%s", exc)
         return 2
     log.info("policy %s: version %s is active", args.name, version)
     return 0
@@ -393,10 +393,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     try:
         rows = asyncio.run(run())
     except APIError as exc:
-        log.error("kaizen: %s", exc.message)
+        log.error("%s", exc.message)
         return 2
     if rows is None:
-        log.error("kaizen: no key %r", args.key_id)
+        log.error("no key %r", args.key_id)
         return 2
     sys.stdout.write("".join(json.dumps(row) + "\n" for row in rows))
     return 0
@@ -681,8 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stack.enter_context(interrupt)
             return int(args.func(args))
     except KeyboardInterrupt:
-        log.warning("kaizen %s: stopped by %s", args.command, interrupt.signal.name)
+        log.warning("%s stopped by %s", args.command, interrupt.signal.name)
         return interrupt.exit_status
     except (FileNotFoundError, ValueError) as exc:
-        log.error("kaizen: %s", exc)
+        log.error("%s", exc)
         return 2

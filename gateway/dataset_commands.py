@@ -141,7 +141,7 @@ def run_import(settings: Settings, args: argparse.Namespace) -> int:
     try:
         summary = asyncio.run(run())
     except ImportFailed as exc:
-        log.error("kaizen: %s", exc)
+        log.error("%s", exc)
         return 2
     for error in summary["errors"]:  # type: ignore[attr-defined]
         log.warning("skipped %s", error)

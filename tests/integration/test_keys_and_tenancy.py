@@ -4,6 +4,8 @@ PostgreSQL: the `openai` SDK for chat, httpx for the rest."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -101,6 +103,22 @@ def test_a_managed_key_is_created_used_and_revoked_over_the_admin_api(
     bad = httpx.post(gw.url + "/admin/keys", json={"name": "x", "scopes": ["root"]}, headers=ADMIN)
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "scopes")
     assert len(query(database_url, "SELECT id FROM api_keys")) == 1
+
+
+def test_a_cli_error_is_one_line_that_names_kaizen_once(tmp_path: Path) -> None:
+    # The log format already names the logger ("ERROR kaizen: ..."): a message that starts with "kaizen:" again
+    # doubles it.
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    for args, message in [
+        (["keys", "revoke", "key_nope"], "no key 'key_nope'"),
+        (["policy", "rollback", "nobody"], "no policy named 'nobody'"),
+    ]:
+        command = [sys.executable, "-m", "gateway", *args, *flags]
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and errors[0].endswith(f" ERROR kaizen: {message}"), done.stderr
 
 
 def test_keys_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
