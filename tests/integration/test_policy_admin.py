@@ -159,10 +159,13 @@ def test_a_base_model_that_cannot_be_loaded_is_a_400_and_nothing_is_written(
         "an unknown user's home": "~no-such-user-here/model",
     }[kind]
     gw = make_gateway(database_url, admin_key="adm")
+    # The first policy built in a process imports torch, transformers and PEFT (the gateway runs in this one): when
+    # this test runs first, that is 10-60 s on a busy 2-core machine.
     refused = httpx.post(
         gw.url + "/admin/policies",
         json={"name": "bot", "base_model": base_model},
         headers={"authorization": "Bearer adm"},
+        timeout=180,
     )
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
