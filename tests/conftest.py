@@ -13,7 +13,8 @@ import pytest
 
 from gateway.settings import Settings
 from tests.support.gateway_server import GatewayServer
-from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+from tests.support.ports import free_port
+from tests.support.postgres import PostgresServer, find_bin_dir
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
 

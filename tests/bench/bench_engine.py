@@ -22,7 +22,6 @@ import logging
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -37,19 +36,13 @@ from gateway.base_models import resolve_base_model
 from gateway.engines.vllm import VLLMEngine
 from gateway.policies import build_initial_adapter
 from gateway.settings import Settings
+from tests.support.ports import free_port
 from trainer.policy_config import TrainConfig
 
 logger = logging.getLogger("bench_engine")
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "engine.json"
 ADAPTER_PREFIX = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def randomise_lora_b(adapter: Path, seed: int, std: float) -> None:

@@ -34,6 +34,7 @@ from gateway.metrics import CallMetrics, count_responses
 from gateway.settings import Settings
 from gateway.tracing import CallTracer
 from storage.records import CallRecord
+from tests.support.ports import free_port
 
 logger = logging.getLogger("bench_observability")
 DEFAULT_OUT = Path(__file__).parent / "results" / "observability.json"
@@ -134,15 +135,8 @@ def _record(i: int) -> CallRecord:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def bench_traces(calls: int, repeats: int, content: bool) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     receiver = subprocess.Popen(
         [sys.executable, "-m", "tests.support.otlp_receiver", "--port", str(port)],
         stdout=subprocess.DEVNULL,

@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from typing import Any
 
 import aiohttp
 import psutil
+
+from tests.support.ports import free_port
 
 logger = logging.getLogger("bench_overhead")
 
@@ -95,13 +96,6 @@ def percentile(ordered: Sequence[float], pct: float) -> float:
         return math.nan
     rank = max(1, math.ceil(pct / 100 * len(ordered)))
     return ordered[rank - 1]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Processes:

@@ -39,7 +39,8 @@ from tests.bench.bench_overhead import Processes, Target, wait_healthy
 from tests.bench.bench_sustained import Run, load, row_count
 from tests.bench.bench_writer import make_record
 from tests.support.child_gateway import replica_set
-from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+from tests.support.ports import free_port
+from tests.support.postgres import PostgresServer, find_bin_dir
 from tests.support.sql import fetch_rows
 
 logger = logging.getLogger("bench_replicas")

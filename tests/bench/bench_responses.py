@@ -31,11 +31,11 @@ from tests.bench.bench_overhead import (
     REQUEST_TIMEOUT_S,
     Processes,
     Target,
-    free_port,
     gc_paused,
     percentile,
     wait_healthy,
 )
+from tests.support.ports import free_port
 
 logger = logging.getLogger("bench_responses")
 DEFAULT_OUT = Path(__file__).parent / "results" / "responses.json"

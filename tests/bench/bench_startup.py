@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 from tests.support.scripted_upstream import ScriptedUpstream
 
 logger = logging.getLogger("bench_startup")

@@ -35,7 +35,8 @@ from gateway.serve_process import GatewayProcess
 from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
 from tests.support import proc_stats
 from tests.support.child_gateway import rss_bytes, upstream_gateway
-from tests.support.postgres import PostgresServer, find_bin_dir, free_port
+from tests.support.ports import free_port
+from tests.support.postgres import PostgresServer, find_bin_dir
 from tests.support.proc_stats import child_pids, cpu_seconds
 from tests.support.sql import fetch_rows
 

@@ -17,7 +17,7 @@ from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.polling import wait_until
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 from tests.support.scripted_upstream import ScriptedUpstream
 
 MakeGateway = Callable[..., GatewayServer]

@@ -22,7 +22,8 @@ from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.polling import wait_until
-from tests.support.postgres import PostgresServer, free_port
+from tests.support.ports import free_port
+from tests.support.postgres import PostgresServer
 from tests.support.upstream_process import UpstreamProcess
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from storage.database import Database
 from storage.models import Policy
 from storage.policies import list_policies
 from storage.schema import upgrade_database
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 
 
 @post("/policies/{name:str}")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support.ports import free_port
 
 
 def find_bin_dir() -> Path | None:
@@ -23,12 +24,6 @@ def find_bin_dir() -> Path | None:
         return Path(candidates[-1]).parent
     on_path = shutil.which("initdb")
     return Path(on_path).parent if on_path else None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PostgresServer:

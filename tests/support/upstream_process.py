@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 
 
 class UpstreamProcess:

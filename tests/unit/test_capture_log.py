@@ -30,7 +30,7 @@ from storage.database import Database
 from storage.records import CallRecord
 from storage.schema import upgrade_database_sync
 from tests.support.polling import wait_until_async
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 
 
 def record(n: int, client_id: str | None = None) -> CallRecord:

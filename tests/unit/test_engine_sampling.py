@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from storage.episodes import Trajectory
-from tests.support.postgres import free_port
+from tests.support.ports import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
 from trainer.dataset import DataReport
 from trainer.engine_sampling import EngineEndpoint, parse_choices
