@@ -184,7 +184,7 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         "messages[0].content[0]",
     ),
     ("unknown response_format", body(response_format={"type": "xml"}), {}, 400, "response_format.type"),
-    ("json_schema format without its schema", body(response_format={"type": "json_schema"}), {}, 400, None),
+    ("json_schema format, no json_schema", body(response_format={"type": "json_schema"}), {}, 400, None),
     (
         "json_schema name not a string",
         body(
