@@ -20,7 +20,7 @@ import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.engines.base import Engine, EngineStream
+from gateway.engines.base import Engine, EngineStream, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.metrics import CallMetrics
@@ -322,6 +322,8 @@ class ChatService:
         except msgspec.ValidationError as exc:
             raise validation_error(exc) from exc
         self._check(request)
+        if not self.engine.capabilities.prompt_logprobs:
+            refuse_prompt_logprobs(body)
         route = self.router.resolve(request.model)
         if not principal.may_use(request.model, route.policy):
             raise PermissionDenied(

@@ -20,7 +20,7 @@ import msgspec
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService, relay_events, validation_error
-from gateway.engines.base import Engine
+from gateway.engines.base import Engine, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PermissionDenied
 from gateway.normalize import Captured, TextStreamAssembler, normalize_embeddings, normalize_text_completion
@@ -50,6 +50,7 @@ class RelayContext:
     stream: bool = False
     keep_logprobs: bool = False
     keep_usage: bool = False
+    echo: bool = False
     charge_tokens: Callable[[int], None] | None = None
 
 
@@ -129,8 +130,18 @@ class RelayService:
             raise InvalidRequest(
                 f"n={request.n} is above this gateway's limit of {self.chat.max_n}", param="n"
             )
+        if not self.engine.capabilities.prompt_logprobs:
+            refuse_prompt_logprobs(body)
+            if request.echo and request.logprobs is not None:
+                raise InvalidRequest(
+                    "echo with logprobs asks for the prompt's logprobs, which this engine cannot serve safely "
+                    "(vLLM with LoRA adapters crashes on them); send echo or logprobs, not both",
+                    param="echo",
+                    code="unsupported_parameter",
+                )
         ctx = self._context(body, request.model, headers, principal, request.metadata, started)
         ctx.stream = bool(request.stream)
+        ctx.echo = bool(request.echo)
         ctx.keep_logprobs = request.logprobs is not None
         ctx.keep_usage = bool(request.stream_options and request.stream_options.include_usage)
         return ctx
@@ -154,13 +165,15 @@ class RelayService:
         body = {k: v for k, v in ctx.body.items() if k != "metadata"}
         body["model"] = ctx.route.engine_model
         caps = self.engine.capabilities
-        if sampled:
+        # An echo call is captured without token ids and behaviour logprobs: with `logprobs` an engine computes the
+        # prompt's too, and vLLM leaves the prompt out of the text when asked for token ids.
+        if sampled and not ctx.echo:
             if caps.logprobs and not ctx.keep_logprobs:
                 body["logprobs"] = 0  # the sampled token's logprob only: the behaviour policy's
             if caps.token_ids:
                 body["return_token_ids"] = True
-            if ctx.stream:
-                body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
+        if sampled and ctx.stream:
+            body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
         return body
 
     async def _acquire(self, ctx: RelayContext, request: dict[str, Any]) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import NotFound
+from gateway.errors import InvalidRequest, NotFound
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,19 @@ class EngineCapabilities:
     adapters: bool
     # `tool_choice: {"type": "allowed_tools"}` understood; otherwise the gateway narrows `tools` itself.
     allowed_tools: bool = True
+    # Logprobs of the prompt (`prompt_logprobs`, or `echo` with `logprobs`) served safely. vLLM with LoRA enabled
+    # crashes its engine core when two such requests share a batch, so the gateway refuses them for it.
+    prompt_logprobs: bool = True
+
+
+def refuse_prompt_logprobs(body: Mapping[str, Any]) -> None:
+    """A 400 for vLLM's `prompt_logprobs` extra, sent to an engine that cannot serve it safely."""
+    if body.get("prompt_logprobs") is not None:
+        raise InvalidRequest(
+            "prompt_logprobs is not served by this engine: vLLM with LoRA adapters crashes computing them",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
 
 
 class EngineStream(ABC):

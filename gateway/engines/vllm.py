@@ -119,7 +119,9 @@ class VLLMLaunch:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    capabilities = EngineCapabilities(logprobs=True, token_ids=True, adapters=True, allowed_tools=False)
+    capabilities = EngineCapabilities(
+        logprobs=True, token_ids=True, adapters=True, allowed_tools=False, prompt_logprobs=False
+    )
 
     def __init__(
         self,

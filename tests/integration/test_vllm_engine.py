@@ -255,6 +255,50 @@ def test_policy_versions_are_served_by_name(vllm_server: VLLMServer) -> None:
     assert "bot" in {m.id for m in client(vllm_server).models.list().data}
 
 
+@pytest.mark.parametrize(
+    ("route", "extra", "refused"),
+    [
+        ("/v1/completions", {"prompt": "The colours of the rainbow are", "echo": True}, None),
+        (
+            "/v1/completions",
+            {"prompt": ["The colours of", "the rainbow"], "echo": True, "logprobs": 1},
+            "echo",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "The colours of the rainbow", "prompt_logprobs": 1},
+            "prompt_logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": PROMPT, "prompt_logprobs": 0}, "prompt_logprobs"),
+    ],
+    ids=["echo", "echo with logprobs", "completion prompt_logprobs", "chat prompt_logprobs"],
+)
+def test_prompt_logprobs_never_reach_the_engine(
+    vllm_server: VLLMServer, route: str, extra: dict[str, Any], refused: str | None
+) -> None:
+    # vLLM with LoRA enabled (always, here) crashes its engine core computing logprobs of a prompt of more than
+    # one token: one such request would take the engine down for every client until it restarts.
+    engine = vllm_server.gateway.services.engine
+    restarts = engine.restarts
+    answer = httpx.post(
+        vllm_server.gateway.url + route,
+        json={"model": vllm_server.model, "max_tokens": 2, **extra},
+        timeout=120,
+    )
+    if refused is None:
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"].startswith(extra["prompt"])
+        # Captured, without the token ids and behaviour logprobs that would cost the echo or the engine.
+        row = stored(vllm_server, answer.headers["x-request-id"])
+        assert (row["status"], row["completion_token_ids"]) == ("ok", None), row
+    else:
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert (error["param"], error["code"]) == (refused, "unsupported_parameter"), error
+    assert greedy(vllm_server, vllm_server.model, max_tokens=2)
+    assert engine.restarts == restarts
+
+
 def test_engine_crash_gives_clean_errors_then_recovers(vllm_server: VLLMServer) -> None:
     engine = vllm_server.gateway.services.engine
     process = engine._process  # type: ignore[attr-defined]
