@@ -49,8 +49,9 @@ class TextOnlyPart(Struct):
     text: str
 
 
-UserContent = str | list[TextPart | ImagePart | AudioPart | FilePart]
-TextContent = str | list[TextOnlyPart]
+# The spec's content arrays have at least one part.
+UserContent = str | Annotated[list[TextPart | ImagePart | AudioPart | FilePart], Meta(min_length=1)]
+TextContent = str | Annotated[list[TextOnlyPart], Meta(min_length=1)]
 
 
 class FunctionCall(Struct):
@@ -232,6 +233,17 @@ SEED_MAX = 2**63 - 1
 Seed = Annotated[int, Meta(ge=-SEED_MAX - 1, le=SEED_MAX)]
 
 
+# Keys are token ids, as the spec has them; values may be fractional, as engines accept.
+LogitBias = dict[Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")], Annotated[float, Meta(ge=-100, le=100)]]
+
+
+class PredictionContent(Struct):
+    """`PredictionContent`: the predicted output; engines without predicted outputs ignore it."""
+
+    type: Literal["content"]
+    content: TextContent
+
+
 class ChatCompletionRequest(Struct, kw_only=True):
     """`CreateChatCompletionRequest`: the fields Kaizen understands. Unknown fields are ignored here and
     forwarded to the engine untouched (the gateway keeps the raw body for that)."""
@@ -258,7 +270,9 @@ class ChatCompletionRequest(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    prediction: PredictionContent | None = None
 
 
 # A text, or a list of texts, of token ids, or of token-id lists (msgspec allows one array type per union, so
@@ -274,7 +288,7 @@ class CompletionRequest(Struct, kw_only=True):
     best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     max_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = None

@@ -208,6 +208,17 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         400,
         "response_format.json_schema.schema",
     ),
+    ("logit_bias key not a token id", body(logit_bias={"role": 1}), {}, 400, None),
+    ("unknown modality", body(modalities=["text", "video"]), {}, 400, "modalities[1]"),
+    ("prediction of an unknown type", body(prediction={"type": "diff", "content": "x"}), {}, 400, None),
+    ("user content an empty list", body(messages=[{"role": "user", "content": []}]), {}, 400, None),
+    (
+        "system content an empty list",
+        body(messages=[{"role": "system", "content": []}, {"role": "user", "content": "hi"}]),
+        {},
+        400,
+        None,
+    ),
     ("stream not a bool", body(stream="yes"), {}, 400, "stream"),
     (
         "stream_options without stream",

@@ -124,6 +124,7 @@ ROUTES = [
             "prompt": [None, 5, [], [{"a": 1}], ["a", 1], [[]]],
             "max_tokens": [-1, 10**30, "ten"],
             "logprobs": [-1, 6, "x"],
+            "logit_bias": [{"role": 1}, {"-1": 1}, {"1": 101}],
             "n": [0, 10**30],
             "stream": ["yes"],
             "stream_options": [{"include_usage": True}],
