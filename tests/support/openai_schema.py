@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, ValidationError
 from referencing import Registry, Resource
 
 _SPEC = Path("shared") / "reference" / "openai-openapi.json"
@@ -49,13 +49,18 @@ def _cloned_from(checkout: Path) -> Path | None:
     return origin.resolve() if url and origin.is_absolute() and origin.is_dir() else None
 
 
-def _json_schema(node: Any) -> Any:
-    """OpenAPI's `nullable: true` is not JSON Schema: rewrite it as an explicit null alternative."""
+def _json_schema(node: Any, one_of: str = "oneOf") -> Any:
+    """OpenAPI's `nullable: true` is not JSON Schema: rewrite it as an explicit null alternative. `one_of` is the
+    keyword `oneOf` becomes."""
     if isinstance(node, list):
-        return [_json_schema(item) for item in node]
+        return [_json_schema(item, one_of) for item in node]
     if not isinstance(node, dict):
         return node
-    out = {key: _json_schema(value) for key, value in node.items() if key != "nullable"}
+    out = {
+        (one_of if key == "oneOf" else key): _json_schema(value, one_of)
+        for key, value in node.items()
+        if key != "nullable"
+    }
     if node.get("nullable") is True:
         if "enum" in out:
             out["enum"] = [*out["enum"], None]
@@ -64,7 +69,7 @@ def _json_schema(node: Any) -> Any:
 
 
 @functools.cache
-def _registry() -> Registry:
+def _registry(one_of: str = "oneOf") -> Registry:
     path = _spec_path()
     if not path.is_file():
         raise FileNotFoundError(
@@ -72,7 +77,7 @@ def _registry() -> Registry:
             "the checkout (or above the one it was cloned from) that has it, so clone the repository next to that "
             "`shared/` directory or set OPENAI_OPENAPI_JSON to the file's path"
         )
-    spec = _json_schema(copy.deepcopy(json.loads(path.read_text())))
+    spec = _json_schema(copy.deepcopy(json.loads(path.read_text())), one_of)
     return Registry().with_resource("openai", Resource.from_contents(spec, default_specification=_draft()))
 
 
@@ -82,9 +87,19 @@ def _draft() -> Any:
     return DRAFT202012
 
 
+def _validator(schema_name: str, one_of: str = "oneOf") -> Draft202012Validator:
+    return Draft202012Validator(
+        {"$ref": f"openai#/components/schemas/{schema_name}"}, registry=_registry(one_of)
+    )
+
+
 def validate(schema_name: str, instance: Any) -> None:
     """Raise `jsonschema.ValidationError` unless `instance` conforms to `components/schemas/<schema_name>`."""
-    validator = Draft202012Validator(
-        {"$ref": f"openai#/components/schemas/{schema_name}"}, registry=_registry()
-    )
-    validator.validate(instance)
+    _validator(schema_name).validate(instance)
+
+
+def request_errors(schema_name: str, instance: Any) -> list[ValidationError]:
+    """Every way a request departs from `components/schemas/<schema_name>` (empty when it conforms). Some of the
+    spec's request alternatives overlap (a Responses input message `{"role": "user", "content": [...]}` is both an
+    `EasyInputMessage` and an `InputMessage`), so `oneOf` is read as `anyOf`: matching two is not an error."""
+    return list(_validator(schema_name, "anyOf").iter_errors(instance))
