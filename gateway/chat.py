@@ -323,7 +323,7 @@ class ChatService:
             raise validation_error(exc) from exc
         self._check(request)
         if not self.engine.capabilities.prompt_logprobs:
-            refuse_prompt_logprobs(body)
+            refuse_prompt_logprobs(body, echo_needs_logprobs=False)
         route = self.router.resolve(request.model)
         if not principal.may_use(request.model, route.policy):
             raise PermissionDenied(

@@ -131,14 +131,7 @@ class RelayService:
                 f"n={request.n} is above this gateway's limit of {self.chat.max_n}", param="n"
             )
         if not self.engine.capabilities.prompt_logprobs:
-            refuse_prompt_logprobs(body)
-            if request.echo and request.logprobs is not None:
-                raise InvalidRequest(
-                    "echo with logprobs asks for the prompt's logprobs, which this engine cannot serve safely "
-                    "(vLLM with LoRA adapters crashes on them); send echo or logprobs, not both",
-                    param="echo",
-                    code="unsupported_parameter",
-                )
+            refuse_prompt_logprobs(body, echo_needs_logprobs=True)
         ctx = self._context(body, request.model, headers, principal, request.metadata, started)
         ctx.stream = bool(request.stream)
         ctx.echo = bool(request.echo)

@@ -19,17 +19,27 @@ class EngineCapabilities:
     adapters: bool
     # `tool_choice: {"type": "allowed_tools"}` understood; otherwise the gateway narrows `tools` itself.
     allowed_tools: bool = True
-    # Logprobs of the prompt (`prompt_logprobs`, or `echo` with `logprobs`) served safely. vLLM with LoRA enabled
-    # crashes its engine core when two such requests share a batch, so the gateway refuses them for it.
+    # Logprobs of the prompt served safely. vLLM with LoRA enabled crashes its engine core when two requests
+    # that need them share a batch, so the gateway refuses those requests for it.
     prompt_logprobs: bool = True
 
 
-def refuse_prompt_logprobs(body: Mapping[str, Any]) -> None:
-    """A 400 for vLLM's `prompt_logprobs` extra, sent to an engine that cannot serve it safely."""
+def refuse_prompt_logprobs(body: Mapping[str, Any], *, echo_needs_logprobs: bool) -> None:
+    """A 400 for a request that makes vLLM compute the prompt's logprobs: its `prompt_logprobs` extra, or `echo`
+    (on completions only with `logprobs`; on chat completions always, since vLLM then takes `top_logprobs`,
+    default 0)."""
     if body.get("prompt_logprobs") is not None:
         raise InvalidRequest(
             "prompt_logprobs is not served by this engine: vLLM with LoRA adapters crashes computing them",
             param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
+    if body.get("echo") and (not echo_needs_logprobs or body.get("logprobs") is not None):
+        also = " with logprobs" if echo_needs_logprobs else ""
+        raise InvalidRequest(
+            f"echo{also} asks for the prompt's logprobs, which this engine cannot serve safely (vLLM with LoRA "
+            "adapters crashes computing them)",
+            param="echo",
             code="unsupported_parameter",
         )
 

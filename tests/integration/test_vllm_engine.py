@@ -270,8 +270,9 @@ def test_policy_versions_are_served_by_name(vllm_server: VLLMServer) -> None:
             "prompt_logprobs",
         ),
         ("/v1/chat/completions", {"messages": PROMPT, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": PROMPT, "echo": True}, "echo"),
     ],
-    ids=["echo", "echo with logprobs", "completion prompt_logprobs", "chat prompt_logprobs"],
+    ids=["echo", "echo with logprobs", "completion prompt_logprobs", "chat prompt_logprobs", "chat echo"],
 )
 def test_prompt_logprobs_never_reach_the_engine(
     vllm_server: VLLMServer, route: str, extra: dict[str, Any], refused: str | None
