@@ -263,6 +263,10 @@ TARGETS = [
     ),
 ]
 
+# The routes that reach the engine, with the request schema their bodies are checked against.
+ENGINE_TARGETS = [target for target in TARGETS if target.spec is not None]
+GENERATION_CAP = 16  # tokens, for a real engine's generation request that lost its limit
+
 VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31, 10**40, -(10**40), 1.5, -0.0, 1e308, "", "x", "\u0000", "\ud800",
     "\udfff", "\U0001f600", "x" * 70_000, [], {}, [None], [[]], {"": None}, {"\ud800": 1}, ["\ud800"],
@@ -372,13 +376,12 @@ class Fuzzer:
         self.ids = {REQUEST_ID: "req-none", EPISODE_ID: "ep-none", RESPONSE_ID: "resp-none", MODEL: model}
         self.reads = 0.15 if list(targets) == TARGETS else 0.0
         self.targets = [without_images(t) for t in targets] if real_engine else list(targets)
-        self.generation_cap = 16 if real_engine else None
-        self.changes = 1 if real_engine else 3
+        self.real_engine = real_engine
         self.report = Report()
 
     def run(self, requests: int | None = None, seconds: float | None = None) -> Report:
         self._seed_ids()
-        if self.generation_cap is not None:
+        if self.real_engine:
             self._check_bases()
         deadline = time.monotonic() + seconds if seconds is not None else None
         while (requests is None or self.report.sent < requests) and (
@@ -445,14 +448,14 @@ class Fuzzer:
 
     def _write(self) -> None:
         target = self.rng.choice(self.targets)
-        body = mutate(target.body, self.rng, self.changes)
+        body = mutate(target.body, self.rng, 1 if self.real_engine else 3)
         if (
-            self.generation_cap is not None
+            self.real_engine
             and target.limit is not None
             and isinstance(body, dict)
             and not body.keys() & {"max_tokens", "max_completion_tokens", "max_output_tokens"}
         ):
-            body[target.limit] = self.generation_cap
+            body[target.limit] = GENERATION_CAP
         text = self._fill(json.dumps(body))
         headers: dict[str, str | bytes] = {
             "authorization": f"Bearer {target.key}",
@@ -464,7 +467,7 @@ class Fuzzer:
         path = self._fill(target.path)
         error = self._send(target.method, path, path, text.encode("utf-8", "surrogatepass"), headers)
         if error is not None and target.spec is not None and str(error.get("code")).startswith("engine_"):
-            self._check_spec(target, path, json.loads(text), error["message"])
+            self._check_spec(target.spec, path, json.loads(text), error["message"])
 
     def _send(
         self, method: str, route: str, url: str, content: bytes | None, headers: dict[str, str | bytes]
@@ -487,7 +490,7 @@ class Fuzzer:
                 log.error("%s", self.report.failures[-1])
         return error
 
-    def _check_spec(self, target: Target, route: str, body: Any, refusal: str) -> None:
+    def _check_spec(self, spec: str, route: str, body: Any, refusal: str) -> None:
         """The engine refused a request the gateway let through: fine when the request is within OpenAI's spec
         (a prompt too long, a number out of the engine's range), a gap in the gateway's checks when it is not.
         Top-level fields the spec does not know are not counted: the gateway passes them on to the engine."""
@@ -498,7 +501,7 @@ class Fuzzer:
         self.report.engine_refusals += 1
         errors = [
             error
-            for error in request_errors(target.spec or "", body)
+            for error in request_errors(spec, body)
             if error.validator != "additionalProperties" or error.absolute_path
         ]
         error = best_match(errors)

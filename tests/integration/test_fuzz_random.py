@@ -10,7 +10,7 @@ import huggingface_hub.constants
 import pytest
 
 from tests.conftest import VLLMServer
-from tests.fuzz.random_requests import ADMIN_KEY, API_KEY, TARGETS, Fuzzer, without_images
+from tests.fuzz.random_requests import ADMIN_KEY, API_KEY, ENGINE_TARGETS, Fuzzer, without_images
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import request_errors
 
@@ -35,10 +35,10 @@ def test_random_requests_get_no_5xx_and_every_4xx_in_openai_shape(
 def test_the_bodies_sent_to_the_engine_are_within_the_spec_before_mutation() -> None:
     # The spec check below blames the mutation for a request outside the spec: the bodies it starts from must
     # conform, with their images and without.
-    for target in TARGETS:
-        if target.spec is not None:
-            for body in (target.body, without_images(target).body):
-                assert request_errors(target.spec, body) == [], target.path
+    for target in ENGINE_TARGETS:
+        assert target.spec is not None
+        for body in (target.body, without_images(target).body):
+            assert request_errors(target.spec, body) == [], target.path
 
 
 def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
@@ -54,8 +54,7 @@ def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
         api_keys=[API_KEY],
         admin_key=ADMIN_KEY,
     )
-    engine_targets = [target for target in TARGETS if target.spec is not None]
-    fuzzer = Fuzzer(gw.url, SEED, model=vllm_server.model, targets=engine_targets, real_engine=True)
+    fuzzer = Fuzzer(gw.url, SEED, model=vllm_server.model, targets=ENGINE_TARGETS, real_engine=True)
     report = fuzzer.run(requests=REQUESTS // 2)
     assert report.failures == []
     assert report.spec_gaps == []
