@@ -266,6 +266,8 @@ TARGETS = [
 # The routes that reach the engine, with the request schema their bodies are checked against.
 ENGINE_TARGETS = [target for target in TARGETS if target.spec is not None]
 GENERATION_CAP = 16  # tokens, for a real engine's generation request that lost its limit
+LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+SLOW_S = 30.0  # a real engine's answer to a request of at most 16 tokens that takes longer is a failure
 
 VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31, 10**40, -(10**40), 1.5, -0.0, 1e308, "", "x", "\u0000", "\ud800",
@@ -337,6 +339,14 @@ def mutate(body: dict[str, Any], rng: random.Random, most: int = 3) -> Any:
     return mutated
 
 
+def capped(target: Target, body: Any) -> Any:
+    """`body` with `target`'s token limit set to `GENERATION_CAP` when the mutation took every limit away. A
+    limit of null counts as none: the engine then generates up to the model's context (98 s on CPU vLLM)."""
+    if target.limit is None or not isinstance(body, dict) or any(body.get(k) is not None for k in LIMITS):
+        return body
+    return {**body, target.limit: GENERATION_CAP}
+
+
 def _error(text: str) -> dict[str, Any] | None:
     """The `error` object of an OpenAI-shaped error body, or None when the body is not one."""
     try:
@@ -358,8 +368,9 @@ class Fuzzer:
     `model` is the model the requests name. `targets` narrows the routes written to (reads are sent only with
     all of them: a gateway other tests share keeps its state). `real_engine`, for vLLM serving a small text-only
     model: image parts are taken out of the bodies, a generation request that lost its token limit in the
-    mutation gets 16 tokens (CPU vLLM is not asked for thousands while the other requests wait), each route's
-    unmutated body must be served first, and a request has one change: an engine refusal is down to that change.
+    mutation gets 16 tokens (CPU vLLM is not asked for thousands while the other requests wait), an answer that
+    takes over 30 s is a failure, each route's unmutated body must be served first, and a request has one change:
+    an engine refusal is down to that change.
     """
 
     def __init__(
@@ -449,13 +460,8 @@ class Fuzzer:
     def _write(self) -> None:
         target = self.rng.choice(self.targets)
         body = mutate(target.body, self.rng, 1 if self.real_engine else 3)
-        if (
-            self.real_engine
-            and target.limit is not None
-            and isinstance(body, dict)
-            and not body.keys() & {"max_tokens", "max_completion_tokens", "max_output_tokens"}
-        ):
-            body[target.limit] = GENERATION_CAP
+        if self.real_engine:
+            body = capped(target, body)
         text = self._fill(json.dumps(body))
         headers: dict[str, str | bytes] = {
             "authorization": f"Bearer {target.key}",
@@ -475,18 +481,22 @@ class Fuzzer:
         """Send one request and judge the answer; return its error object when it is a shaped 4xx."""
         try:
             raw = [(k.encode(), v if isinstance(v, bytes) else v.encode()) for k, v in headers.items()]
+            started = time.monotonic()
             answer = self.client.request(method, url, content=content, headers=raw)
             status, text = answer.status_code, answer.text
+            took = time.monotonic() - started
         except httpx.HTTPError as exc:
-            status, text = -1, repr(exc)
+            status, text, took = -1, repr(exc), 0.0
         self.report.sent += 1
         self.report.statuses[status] += 1
         error = _error(text) if 400 <= status < 500 else None
-        if status >= 500 or status < 0 or (400 <= status < 500 and error is None):
-            line = f"{method} {route}: {status}"
+        slow = self.real_engine and took > SLOW_S
+        if status >= 500 or status < 0 or (400 <= status < 500 and error is None) or slow:
+            line = f"{method} {route}: {status}" + (" slow" if slow else "")
             if not any(f.startswith(line + " ") for f in self.report.failures):
                 sent = (content or b"")[:300].decode("utf-8", "replace")
-                self.report.failures.append(f"{line} {text[:300]!r} for {url[:200]} {sent}")
+                took_s = f"({took:.0f} s) " if slow else ""
+                self.report.failures.append(f"{line} {took_s}{text[:300]!r} for {url[:200]} {sent}")
                 log.error("%s", self.report.failures[-1])
         return error
 
