@@ -20,6 +20,7 @@ from tests.support.demo_process import CYCLE_CALLS
 from tests.support.polling import wait_until
 from tests.support.proc_stats import child_pids, running
 from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.stopping import default_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +66,7 @@ def test_a_signal_ends_the_demo_with_its_report_and_no_traceback(
             stdout=subprocess.PIPE,
             stderr=log_file,
             start_new_session=True,  # its own process group, as a terminal gives a foreground job
+            preexec_fn=default_sigint,  # noqa: PLW1509 (no threads in the child yet)
         )
     try:
 

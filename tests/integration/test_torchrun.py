@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.polling import wait_until
 from tests.support.proc_stats import running
+from tests.support.stopping import default_sigint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,6 +50,7 @@ def launch(tmp_path: Path, *worker_args: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=default_sigint,  # noqa: PLW1509 (no threads in the child yet)
     )
 
 

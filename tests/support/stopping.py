@@ -21,6 +21,13 @@ def ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def default_sigint() -> None:
+    """What a terminal's foreground job has, so Ctrl-C reaches it: SIGINT's default action. A child inherits an
+    ignored SIGINT from the test runner when that was started in the background by a script (`make test &`),
+    and a Ctrl-C test would then see its signal ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @dataclass(frozen=True)
 class Stopped:
     returncode: int
@@ -50,7 +57,7 @@ def stop_mid_run(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=ignore_sigint if sigint_ignored else None,  # noqa: PLW1509 (no threads in this child yet)
+            preexec_fn=ignore_sigint if sigint_ignored else default_sigint,  # noqa: PLW1509 (no threads in the child yet)
         )
     try:
         wait_until(
