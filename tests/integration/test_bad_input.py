@@ -208,6 +208,28 @@ CASES: list[tuple[str, Any, dict[str, str], int, str | None]] = [
         400,
         "response_format.json_schema.schema",
     ),
+    (
+        "json_schema schema not a JSON Schema",
+        body(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "x"}}}),
+        {},
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "function parameters not a JSON Schema",
+        body(
+            tools=[
+                WEATHER,
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"properties": {"q": "string"}}},
+                },
+            ]
+        ),
+        {},
+        400,
+        "tools[1].function.parameters",
+    ),
     ("logit_bias key not a token id", body(logit_bias={"role": 1}), {}, 400, None),
     ("unknown modality", body(modalities=["text", "video"]), {}, 400, "modalities[1]"),
     ("prediction of an unknown type", body(prediction={"type": "diff", "content": "x"}), {}, 400, None),

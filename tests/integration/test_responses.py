@@ -850,6 +850,24 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None]] = [
         {"model": "scripted-1", "input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
         "text.format.schema",
     ),
+    (
+        "json_schema schema not a JSON Schema",
+        {
+            "model": "scripted-1",
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "x"}}},
+        },
+        "text.format.schema",
+    ),
+    (
+        "function parameters not a JSON Schema",
+        {
+            "model": "scripted-1",
+            "input": "x",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "required": [{}]}}],
+        },
+        "tools[0].parameters",
+    ),
     ("unknown include", {"model": "scripted-1", "input": "x", "include": ["everything"]}, "include[0]"),
     ("background", {"model": "scripted-1", "input": "x", "background": True}, "background"),
     (
