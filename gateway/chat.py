@@ -23,7 +23,7 @@ from gateway.capture import CaptureSink
 from gateway.engines.base import Engine, EngineStream, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
-from gateway.json_schemas import check_function_parameters, check_response_schema
+from gateway.json_schemas import check_schema
 from gateway.metrics import CallMetrics
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
 from gateway.protocol import (
@@ -375,13 +375,19 @@ class ChatService:
             raise InvalidRequest("tool names must be unique", param="tools")
         for index, tool in enumerate(request.tools or []):
             if isinstance(tool, FunctionTool) and tool.function.parameters is not None:
-                check_function_parameters(
-                    tool.function.name, tool.function.parameters, f"tools[{index}].function.parameters"
+                check_schema(
+                    "function",
+                    tool.function.name,
+                    tool.function.parameters,
+                    f"tools[{index}].function.parameters",
                 )
         fmt = request.response_format
         if isinstance(fmt, ResponseFormatJsonSchema) and fmt.json_schema.schema is not None:
-            check_response_schema(
-                fmt.json_schema.name, fmt.json_schema.schema, "response_format.json_schema.schema"
+            check_schema(
+                "response format",
+                fmt.json_schema.name,
+                fmt.json_schema.schema,
+                "response_format.json_schema.schema",
             )
         choice = request.tool_choice
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None

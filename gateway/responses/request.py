@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from gateway.errors import InvalidRequest
-from gateway.json_schemas import check_function_parameters, check_response_schema
+from gateway.json_schemas import check_schema
 from gateway.protocol import (
     CreateResponseRequest,
     FunctionCallItem,
@@ -325,7 +325,7 @@ def translate_tools(request: CreateResponseRequest) -> ChatTools:
             )
         tool = convert(raw, ResponsesFunctionTool, f"tools[{index}]")
         if tool.parameters is not None:
-            check_function_parameters(tool.name, tool.parameters, f"tools[{index}].parameters")
+            check_schema("function", tool.name, tool.parameters, f"tools[{index}].parameters")
         tools.append(tool)
     names = [tool.name for tool in tools]
     choice = request.tool_choice
@@ -369,7 +369,7 @@ def response_format(request: CreateResponseRequest) -> dict[str, Any] | None:
     """`text.format` as chat's `response_format` (None for plain text)."""
     fmt = request.text.format if request.text is not None else None
     if isinstance(fmt, TextFormatJsonSchema):
-        check_response_schema(fmt.name, fmt.schema, "text.format.schema")
+        check_schema("response format", fmt.name, fmt.schema, "text.format.schema")
         schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema}
         if fmt.description is not None:
             schema["description"] = fmt.description

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.json_schemas import check_function_parameters, check_response_schema, schema_problem
+from gateway.json_schemas import check_schema, schema_problem
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -64,9 +64,9 @@ def test_a_long_value_is_clipped_and_a_deep_schema_refused_not_raised() -> None:
 
 
 def test_the_400s_name_the_tool_or_format_and_the_field() -> None:
-    check_function_parameters("get_weather", WEATHER, "tools[0].function.parameters")
+    check_schema("function", "get_weather", WEATHER, "tools[0].function.parameters")
     with pytest.raises(InvalidRequest) as raised:
-        check_function_parameters("get_weather", {"type": "x"}, "tools[0].function.parameters")
+        check_schema("function", "get_weather", {"type": "x"}, "tools[0].function.parameters")
     error = raised.value
     assert (error.status_code, error.param, error.code) == (
         400,
@@ -75,6 +75,6 @@ def test_the_400s_name_the_tool_or_format_and_the_field() -> None:
     )
     assert error.message.startswith("Invalid schema for function 'get_weather': ")
     with pytest.raises(InvalidRequest) as raised:
-        check_response_schema("forecast", {"required": "city"}, "text.format.schema")
+        check_schema("response format", "forecast", {"required": "city"}, "text.format.schema")
     assert (raised.value.param, raised.value.code) == ("text.format.schema", "invalid_json_schema")
     assert "response format 'forecast'" in raised.value.message
