@@ -3,9 +3,12 @@ nothing outside OpenAI's spec passed on to a real engine."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import huggingface_hub.constants
 import pytest
 
@@ -63,7 +66,26 @@ def test_a_generation_request_that_lost_its_token_limit_gets_a_small_one() -> No
         assert capped(target, [target.body]) == [target.body]
 
 
-@pytest.mark.timeout(600)  # about 90 s on an idle 2-core CPU; a single answer over 30 s fails it sooner
+def test_the_unmutated_bodies_sent_to_a_real_engine_carry_a_token_limit() -> None:
+    # The burst first checks that each route's unmutated body is served. The streamed Responses body has no limit
+    # of its own: sent as it is, CPU vLLM generated to the model's context for 186 s of a 500-request burst.
+    sent: list[Any] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json={})
+
+    fuzzer = Fuzzer("http://gateway.invalid", SEED, targets=ENGINE_TARGETS, real_engine=True)
+    fuzzer.client.close()
+    fuzzer.client = httpx.Client(base_url="http://gateway.invalid", transport=httpx.MockTransport(gateway))
+    fuzzer._check_bases()
+    assert len(sent) == len(ENGINE_TARGETS)
+    for target, body in zip(ENGINE_TARGETS, sent, strict=True):
+        assert target.limit is not None
+        assert isinstance(body[target.limit], int) and body[target.limit] <= GENERATION_CAP * 2, target.path
+
+
+@pytest.mark.timeout(600)  # 331 s on a slow idle 2-core CPU; a single answer over 30 s fails it sooner
 def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
     make_gateway: Callable[..., GatewayServer], vllm_server: VLLMServer, tmp_path: Path
 ) -> None:
