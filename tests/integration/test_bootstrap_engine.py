@@ -22,7 +22,9 @@ from tests.integration.test_gate import make_policy
 from tests.integration.test_train_sft import sft_settings
 from tests.support.scripted_judge import ScriptedJudge
 
-pytestmark = pytest.mark.vllm
+# Attempts, a training child, the gate's samples and a promotion on the shared CPU vLLM: 330 s on a slow 2-core
+# machine, past pytest's default 300 s. The run's own timeout comes first, with its output.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "cold-start"
@@ -95,7 +97,7 @@ def test_bootstrap_trains_a_policy_without_traffic_that_beats_its_base(
             cwd=REPO,
             capture_output=True,
             text=True,
-            timeout=1800,
+            timeout=1080,
             check=False,
         )
     report = json.loads(done.stdout)
