@@ -19,6 +19,18 @@ from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test on the session's vLLM must say so with the `vllm` marker: `-m "not vllm"` (a machine without
+    `.venv-vllm`, or a run of the fast part alone) must never start the engine. One test once lacked it."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "vllm_server" in getattr(item, "fixturenames", ()) and item.get_closest_marker("vllm") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError("tests using vllm_server need @pytest.mark.vllm: " + ", ".join(unmarked))
+
+
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     bin_dir = find_bin_dir()

@@ -85,6 +85,7 @@ def test_the_unmutated_bodies_sent_to_a_real_engine_carry_a_token_limit() -> Non
         assert isinstance(body[target.limit], int) and body[target.limit] <= GENERATION_CAP * 2, target.path
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(600)  # 331 s on a slow idle 2-core CPU; a single answer over 30 s fails it sooner
 def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
     make_gateway: Callable[..., GatewayServer], vllm_server: VLLMServer, tmp_path: Path
