@@ -19,7 +19,7 @@ from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test on the session's vLLM must say so with the `vllm` marker: `-m "not vllm"` (a machine without
     `.venv-vllm`, or a run of the fast part alone) must never start the engine. One test once lacked it."""
     unmarked = [
