@@ -7,6 +7,7 @@ chat template. The result is cached under ``models_dir`` and rebuilt only when i
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ COMPLETE_MARKER = ".kaizen-complete.json"
 
 CHAT_TEMPLATES_DIR = Path(__file__).with_name("chat_templates")
 _CACHE_DIR = ".cache"
+_LOCK_FILE = ".lock"
 _VERIFY_PROMPT = "What is the capital of France?"
 _VERIFY_TOKENS = 12
 
@@ -97,7 +101,9 @@ def pull_base_model(name: str, models_dir: Path) -> Path:
     """Build ``models_dir/name`` from the embedded GGUF unless a complete copy is already there.
 
     The model is built in a temporary sibling directory and renamed into place, so a crash never
-    leaves a directory that looks finished.
+    leaves a directory that looks finished. Processes that pull at once (gateway replicas on one data
+    directory, parallel test workers) take turns on a lock file: the first builds, the others find its
+    result, and none reads a download or a GGUF another is still writing.
     """
     spec = EMBEDDED_MODELS.get(name)
     if spec is None:
@@ -109,6 +115,30 @@ def pull_base_model(name: str, models_dir: Path) -> Path:
         return target
 
     models_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(models_dir / _LOCK_FILE, name):
+        if is_complete(target):
+            logger.info("base model %s was prepared by another process at %s", name, target)
+            return target
+        _build(name, spec, models_dir, target)
+    return target
+
+
+@contextmanager
+def _exclusive(lock_path: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path``; say so when another process has it first."""
+    with lock_path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process preparing base model %s", name)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(name: str, spec: EmbeddedModel, models_dir: Path, target: Path) -> None:
     logger.info("preparing base model %s in %s", name, target)
     gguf_path = fetch_gguf(spec, models_dir / _CACHE_DIR)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=models_dir))
@@ -121,7 +151,6 @@ def pull_base_model(name: str, models_dir: Path) -> Path:
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
     logger.info("base model %s ready at %s", name, target)
-    return target
 
 
 def fetch_gguf(spec: EmbeddedModel, cache_dir: Path) -> Path:
@@ -238,13 +267,8 @@ def _write_marker(build_dir: Path, spec: EmbeddedModel, gguf_path: Path) -> None
 
 
 def _move_into_place(build_dir: Path, target: Path) -> None:
-    """Replace a stale (incomplete) target; if another process finished first, keep theirs."""
+    """Replace a stale (incomplete) target left by a crashed build; called under the models lock."""
     if target.exists() and not is_complete(target):
         logger.warning("removing incomplete model directory %s", target)
         shutil.rmtree(target)
-    try:
-        os.replace(build_dir, target)
-    except OSError:
-        if not is_complete(target):
-            raise
-        logger.info("another process finished %s first; discarding this build", target)
+    os.replace(build_dir, target)

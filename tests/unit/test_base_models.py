@@ -6,11 +6,15 @@ the real conversion is exercised by the vLLM integration tests.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import subprocess
 import sys
+import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +82,7 @@ def test_pull_builds_complete_directory_with_provenance(tmp_path: Path, fake: Fa
     assert marker["gguf_sha256"] == hashlib.sha256(GGUF_BYTES).hexdigest()
     assert marker["tool_call_parser"] == "hermes"
     assert "<tool_call>" in fake.templates[0]
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in {NAME, ".cache"}]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name not in {NAME, ".cache", ".lock"}]
     assert leftovers == []
 
 
@@ -122,7 +126,51 @@ def test_failed_conversion_leaves_nothing_that_looks_finished(
     with pytest.raises(RuntimeError, match="conversion failed"):
         pull_base_model(NAME, tmp_path)
     assert not (tmp_path / NAME).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".lock"]
+
+
+def test_pulls_at_once_build_the_model_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two pullers on one models directory (gateway replicas, test workers): the second waits for the first's
+    build instead of downloading and converting beside it."""
+    build = FakeBuild()
+    first_converting = threading.Event()
+    proceed = (
+        threading.Event()
+    )  # set once the second puller is waiting on the lock (or, unlocked, converting)
+
+    def convert(gguf_path: Path, out_dir: Path, chat_template: str) -> None:
+        build.convert(gguf_path, out_dir, chat_template)
+        if build.converts > 1:
+            proceed.set()
+            return
+        first_converting.set()
+        assert proceed.wait(30), "the second puller neither waited nor converted"
+
+    real_flock = fcntl.flock
+
+    def flock(fd: Any, operation: int) -> None:
+        if operation == fcntl.LOCK_EX:  # a blocking request: the lock is held by the other puller
+            proceed.set()
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(base_models, "fetch_gguf", build.fetch)
+    monkeypatch.setattr(base_models, "convert_gguf", convert)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    caplog.set_level(logging.INFO, logger=base_models.__name__)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(pull_base_model, NAME, tmp_path)
+        assert first_converting.wait(30)
+        second = pool.submit(pull_base_model, NAME, tmp_path)
+        results = [first.result(timeout=30), second.result(timeout=30)]
+
+    assert results == [tmp_path / NAME, tmp_path / NAME]
+    assert (build.fetches, build.converts) == (1, 1)
+    assert is_complete(tmp_path / NAME)
+    assert "waiting for another process preparing base model" in caplog.text
+    assert "was prepared by another process" in caplog.text
 
 
 def test_unknown_embedded_name_is_rejected(tmp_path: Path) -> None:
