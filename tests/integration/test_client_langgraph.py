@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import create_policy
@@ -23,6 +25,9 @@ from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_judge import ScriptedJudge
 from tests.support.training_data import NO_COLLAPSE_BOUNDS
+
+# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
+pytestmark = pytest.mark.serial
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "client.md"
 API_KEY = "sk-agent"

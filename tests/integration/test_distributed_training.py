@@ -21,6 +21,9 @@ from tests.integration.test_train_command import POLICY, TRAIN, setup_policy
 from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 
+# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[2]
 # Two float32 sums of the same terms in another order: equal to a few parts in 10⁷. A step that counted one
 # process's share twice, or halved it (the engine averages), is off by a factor of two.

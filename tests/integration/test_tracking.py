@@ -23,6 +23,9 @@ from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write
 from tests.support.wandb_offline import read_offline_run
 from trainer.job import TrainOutcome, TrainRequest, run_training
 
+# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
+pytestmark = pytest.mark.serial
+
 POLICY = "tracked"
 #: Two prompts with three replies each with different rewards: two groups, six samples, three optimizer steps.
 REPLIES = {

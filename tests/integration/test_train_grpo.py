@@ -25,6 +25,9 @@ from trainer.policy_config import TrainConfig, load_policy_config
 from trainer.ruler import JudgeSettings
 from trainer.scoring import Scorer
 
+# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
+pytestmark = pytest.mark.serial
+
 PROMPTS = [
     "Name a color. Reply with one word only.",
     "Name an animal. Reply with one word only.",

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from storage.database import Database
@@ -30,6 +31,9 @@ from tests.integration.test_train_grpo import (
 )
 from tests.support.training_data import write_demonstrations
 from trainer.job import run_training
+
+# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
+pytestmark = pytest.mark.serial
 
 IMPORTED = [(prompt, answer) for prompt, answer in zip(PROMPTS, ["Blue", "Cat", "Paris"], strict=False)]
 
