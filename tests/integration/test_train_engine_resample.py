@@ -16,6 +16,7 @@ from gateway.scheduling import gate_url
 from storage.database import Database
 from tests.conftest import VLLMServer, query
 from tests.integration.test_gate import make_policy, rewarded_traffic, run
+from tests.support.engine_text import engine_text
 from tests.support.training_data import NO_COLLAPSE_BOUNDS
 from trainer.engine_sampling import EngineEndpoint, EngineSampler
 from trainer.grouping import PolicyReplyScorer, Sample
@@ -87,28 +88,6 @@ class RecordingEndpoint(EngineEndpoint):
         sampler.recorded = []
         self.samplers.append(sampler)
         return sampler
-
-
-def engine_text(tokenizer: Any, token_ids: list[int]) -> str:
-    """The text the engine returns for `token_ids`: their decoding, less any trailing tokens that only hold part of
-    a character. A reply cut off by `max_tokens` inside a multi-byte character (an emoji is several byte tokens)
-    decodes to a trailing U+FFFD, and vLLM's detokenizer holds those tokens' text back."""
-    for end in range(len(token_ids), max(len(token_ids) - 4, 0) - 1, -1):
-        text: str = tokenizer.decode(token_ids[:end], skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            return text
-    raise AssertionError(f"{token_ids} decode to replacement characters only")
-
-
-def test_engine_text_holds_back_a_character_cut_off_by_the_token_limit(embedded_model: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model)
-    whole = tokenizer.encode("of this color \U0001f308", add_special_tokens=False)
-    cut = tokenizer.encode("of this color", add_special_tokens=False)
-    assert tokenizer.decode(whole[:-1]).endswith("\ufffd")  # the emoji spans several byte tokens
-    assert engine_text(tokenizer, whole) == "of this color \U0001f308"
-    assert engine_text(tokenizer, whole[:-1]) == tokenizer.decode(cut)
 
 
 def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_logged(
