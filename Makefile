@@ -86,10 +86,10 @@ typecheck: install
 TEST_WORKERS ?= 2
 test: lint typecheck migrations-check install-vllm install-clients
 	@status=0; \
-	$(BIN)/python -m pytest -p no:cacheprovider -m "not vllm and not serial" -n $(TEST_WORKERS) --dist worksteal; \
-	rc=$$?; if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then status=$$rc; fi; \
-	$(BIN)/python -m pytest -p no:cacheprovider -m "vllm or serial"; \
-	rc=$$?; if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then status=$$rc; fi; \
+	pass() { $(BIN)/python -m pytest -p no:cacheprovider "$$@"; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then status=$$rc; fi; }; \
+	pass -m "not vllm and not serial" -n $(TEST_WORKERS) --dist worksteal; \
+	pass -m "vllm or serial"; \
 	exit $$status
 
 bench-overhead: install
