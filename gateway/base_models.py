@@ -139,6 +139,8 @@ def _exclusive(lock_path: Path, name: str) -> Iterator[None]:
 
 
 def _build(name: str, spec: EmbeddedModel, models_dir: Path, target: Path) -> None:
+    """Convert the GGUF into a scratch directory beside ``target`` and rename it into place; the caller holds
+    the lock. The scratch directory is removed whatever happens, so a failed build leaves only the cache."""
     logger.info("preparing base model %s in %s", name, target)
     gguf_path = fetch_gguf(spec, models_dir / _CACHE_DIR)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=models_dir))
