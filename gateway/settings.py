@@ -42,6 +42,10 @@ class KeyRateLimit(BaseModel):
     tpm: int | None = Field(None, ge=0)
 
 
+def _blank(value: Any) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
 class Settings(BaseSettings):
     """Kaizen's configuration. Environment variables win over the TOML file, which wins over defaults."""
 
@@ -451,8 +455,12 @@ class Settings(BaseSettings):
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
+        """A comma-separated string or a list (a TOML file); blank entries are dropped either way, so a
+        templated `[""]` is no key at all, for the public-bind check as for the key ring."""
         if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
+            value = value.split(",")
+        if isinstance(value, list):
+            return [key.strip() if isinstance(key, str) else key for key in value if not _blank(key)]
         return value
 
     @model_validator(mode="after")

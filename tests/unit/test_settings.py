@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import build_parser, settings_table
+from gateway.exposure import open_exposure
 from gateway.settings import Settings, async_database_url
 
 
@@ -44,6 +45,17 @@ def test_comma_separated_keys_and_bad_values(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("KAIZEN_PORT", "eighty")
     with pytest.raises(ValueError, match="port"):
         Settings.load()
+
+
+def test_blank_keys_in_a_config_file_are_no_keys(tmp_path: Path) -> None:
+    # `api_keys = ["${KEY}"]` rendered with an empty variable: no key, so a public bind is refused (an empty
+    # string in the list once counted as a key there, while the key ring, which drops it, served openly).
+    config = tmp_path / "kaizen.toml"
+    config.write_text('host = "0.0.0.0"\napi_keys = ["", " ", " k1 "]\ncors_origins = [""]\n')
+    settings = Settings.load(config)
+    assert (settings.api_keys, settings.cors_origins) == (["k1"], [])
+    config.write_text('host = "0.0.0.0"\napi_keys = [""]\n')
+    assert open_exposure(Settings.load(config)) is not None
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
