@@ -27,7 +27,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, PermissionDenied
 from storage.database import Database
 from storage.keys import KeyInfo, insert_key, list_keys
 from storage.logouts import logged_out
@@ -84,7 +84,12 @@ def _managed(key: KeyInfo) -> Principal:
 
 
 class KeyRing:
-    """Every accepted key, by the digest of its secret. With no client key at all, /v1 is open."""
+    """Every accepted key, by the digest of its secret. With no client key at all, /v1 is open.
+
+    Until the managed keys have been read once, the ring does not know whether it is open: a key it cannot find
+    may be a managed one, and an empty table cannot be told from an unreadable one. Such a request is refused
+    with a 503 (`KeysUnavailable`) rather than let in as `open`, so a database that is down while a gateway
+    starts never opens it; environment keys and the admin key work meanwhile."""
 
     def __init__(self, client_keys: Iterable[str], admin_key: str = "") -> None:
         self._static: dict[str, Principal] = {
@@ -96,6 +101,7 @@ class KeyRing:
             )
         self._closed = any(p.key_id == "env" for p in self._static.values())
         self._keys: dict[str, Principal] = dict(self._static)
+        self._loaded = False  # the managed keys were read at least once
         self._ended: frozenset[str] = frozenset()
         self._ended_here: dict[str, float] = {}  # logouts through this process, until a refresh reads them
         self._task: asyncio.Task[None] | None = None
@@ -104,7 +110,12 @@ class KeyRing:
     def open(self) -> bool:
         """No client key was ever configured (environment or managed; revoked ones count, so revoking the
         last key does not open the gateway): /v1 and feedback accept anyone, as before keys existed."""
-        return not self._closed
+        return self._loaded and not self._closed
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the managed keys were read from the database at least once."""
+        return self._loaded
 
     @property
     def admin_enabled(self) -> bool:
@@ -125,6 +136,7 @@ class KeyRing:
         fresh = {k.hash: _managed(k) for k in keys if k.revoked_at is None}
         self._keys = {**fresh, **self._static}
         self._closed = self._closed or bool(keys)
+        self._loaded = True
         self._ended = frozenset(ended_sessions)
         now = time.time()
         self._ended_here = {
@@ -169,9 +181,37 @@ class KeyRing:
                 await self._task
 
 
-def authenticate_client(ring: KeyRing, authorization: str | None, scope: str) -> Principal:
-    """The principal of a /v1 request that needs `scope`: 401 without a known key, 403 without the scope."""
+class KeysUnavailable(APIError):
+    """The managed keys have not been read yet (the database was unreachable since start-up): whether the
+    request's key is valid cannot be told, so it is neither let in nor refused as invalid."""
+
+    status_code = 503
+    error_type = "api_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway has not read its API keys from the database yet; retry shortly.",
+            code="keys_unavailable",
+            retry_after=KEYS_RETRY_AFTER_S,
+        )
+
+
+KEYS_RETRY_AFTER_S = 2.0
+
+
+def found_or_unavailable(ring: KeyRing, authorization: str | None) -> Principal | None:
+    """The principal of this Authorization header; None for an unknown key once the keys are known, and
+    `KeysUnavailable` before they are."""
     principal = ring.lookup(authorization)
+    if principal is None and not ring.loaded:
+        raise KeysUnavailable()
+    return principal
+
+
+def authenticate_client(ring: KeyRing, authorization: str | None, scope: str) -> Principal:
+    """The principal of a /v1 request that needs `scope`: 401 without a known key, 403 without the scope, 503
+    while the keys are unknown."""
+    principal = found_or_unavailable(ring, authorization)
     if principal is None:
         if ring.open:
             return OPEN
@@ -198,7 +238,7 @@ def requires(scope: Scope) -> Guard:
                 raise AuthenticationError(
                     "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
                 )
-            found = ring.lookup(authorization)
+            found = found_or_unavailable(ring, authorization)
             if found is None:
                 raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
             principal = _with_scope(found, scope)

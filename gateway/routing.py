@@ -5,7 +5,8 @@ engine's own models (the base model) stay addressable. The request path only rea
 background task refreshes it from the engine and the policies table, loads active versions into the engine as
 `policy@N` (a new version is always a new name) and unloads versions that are neither active nor in use. The
 same refresh keeps each policy's redactor (its `privacy` section) in memory for the capture path, whatever the
-engine.
+engine. Until that refresh has read the policies once, calls are refused (`PoliciesUnavailable`): a policy's
+privacy section is not known yet, and a call stored without it would keep what it should have masked.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.engines.base import Engine
-from gateway.errors import NotFound
+from gateway.errors import APIError, NotFound
 from gateway.redaction import Redactor
 from storage.database import Database
 from storage.policies import list_adapters, list_policies
@@ -52,6 +53,20 @@ def adapter_name(policy: str, version: int) -> str:
     return f"{policy}@{version}"
 
 
+class PoliciesUnavailable(APIError):
+    """The policies table has not been read since start-up (the database was unreachable)."""
+
+    status_code = 503
+    error_type = "api_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "The gateway has not read its policies from the database yet; retry shortly.",
+            code="policies_unavailable",
+            retry_after=2.0,
+        )
+
+
 class ModelRouter:
     """Resolves `model` strings; keeps the engine's loaded adapters in line with the policies table."""
 
@@ -76,6 +91,7 @@ class ModelRouter:
         self.idle_unload_s = idle_unload_s
         self.engine_models: set[str] = set()
         self.policies: dict[str, PolicyState] = {}
+        self.policies_loaded = database is None  # nothing to read without a database
         self.created = int(time.time())
         self.in_flight: Counter[str] = Counter()
         self.last_used: dict[str, float] = {}
@@ -83,6 +99,8 @@ class ModelRouter:
 
     # ------------------------------------------------------------------ request path
     def resolve(self, model: str) -> Route:
+        if not self.policies_loaded:
+            raise PoliciesUnavailable()
         policy = self.policies.get(model)
         if policy is not None:
             if policy.active_version is None or policy.active_version not in policy.versions:
@@ -112,6 +130,8 @@ class ModelRouter:
 
     def redactor(self, policy: str | None) -> Redactor | None:
         """The redactor for calls stored under `policy`, or None when they are stored verbatim."""
+        if not self.policies_loaded:
+            raise PoliciesUnavailable()
         entry = self.redactors.get(policy) if policy is not None else None
         return entry[1] if entry is not None else None
 
@@ -165,6 +185,7 @@ class ModelRouter:
             log.warning("could not read policies: %s", exc)
             return
         self._refresh_redactors(privacy)
+        self.policies_loaded = True
         if self.database is None:
             return
         for name, state in fresh.items():

@@ -14,7 +14,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing, digest, principal_of
+from gateway.auth import KeyRing, digest, found_or_unavailable, principal_of
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, promote_version, roll_back
 from gateway.controllers.runs import ScheduleView, set_paused
@@ -79,7 +79,7 @@ class DashboardLogin(Controller):
                 code="too_many_failed_logins",
                 retry_after=wait,
             )
-        principal = keys.lookup(f"Bearer {data.key}")
+        principal = found_or_unavailable(keys, f"Bearer {data.key}")
         if principal is None:
             throttle.failed(address)
             raise AuthenticationError("Unknown or revoked key.", code="invalid_api_key")

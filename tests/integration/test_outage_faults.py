@@ -3,7 +3,9 @@ mid-stream, clients leaving before the reply, and what readiness and error answe
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 import sqlite3
 import threading
 import time
@@ -18,6 +20,10 @@ import httpx
 import openai
 import pytest
 
+from gateway.auth import create_key
+from gateway.settings import async_database_url
+from storage.database import Database
+from storage.schema import upgrade_database_sync
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
@@ -281,7 +287,81 @@ def test_engine_down_answers_503_without_its_address(make_gateway: MakeGateway, 
     assert str(port) not in error["message"] and "127.0.0.1" not in error["message"]
     ready = httpx.get(gw.url + "/readyz")
     assert ready.status_code == 503
-    assert ready.json() == {"status": "not_ready", "engine": False, "database": True}
+    assert ready.json() == {
+        "status": "not_ready",
+        "engine": False,
+        "database": True,
+        "keys": True,
+        "policies": True,
+    }
+
+
+def test_a_gateway_that_could_not_read_its_keys_refuses_calls_until_it_has(
+    make_gateway: MakeGateway, postgres: PostgresServer
+) -> None:
+    """PostgreSQL stops while the gateway waits for its engine, before it reads its keys and policies: it must
+    not take the empty key ring for an open one, nor serve calls without the policies' privacy sections. Both
+    are refused with 503 until the database is back."""
+    url = postgres.create_database("keys_" + uuid.uuid4().hex[:8])
+    upgrade_database_sync(async_database_url(url))
+    secret = asyncio.run(managed_key(async_database_url(url)))
+    engine = UpstreamProcess()  # started once the gateway is seen waiting for it
+    chat = {"model": "scripted-1", "messages": [{"role": "user", "content": "hi"}]}
+    with ThreadPoolExecutor(1) as pool, socket.create_server(("127.0.0.1", engine.port)) as listener:
+        starting = pool.submit(
+            make_gateway, url, engine="vllm", vllm_url=engine.url, admin_key=ADMIN_KEY, policy_refresh_s=0.3
+        )
+        listener.settimeout(60)
+        listener.accept()[0].close()  # the gateway's first engine health check: it is past its schema upgrade
+        listener.close()
+        try:
+            with stopped(postgres):
+                engine.start()
+                gw = starting.result(timeout=120)
+                for headers in ({}, bearer(secret), bearer("kz-guess")):
+                    response = httpx.post(
+                        gw.url + "/v1/chat/completions", json=chat, headers=headers, timeout=30
+                    )
+                    assert assert_openai_error(response, 503)["code"] == "keys_unavailable"
+                    assert int(response.headers["retry-after"]) >= 1
+                admin = httpx.post(  # the admin key is not in the database: it works, and meets the policies
+                    gw.url + "/v1/chat/completions", json=chat, headers=bearer(ADMIN_KEY), timeout=30
+                )
+                assert assert_openai_error(admin, 503)["code"] == "policies_unavailable"
+                ready = httpx.get(gw.url + "/readyz", timeout=30)
+                assert ready.status_code == 503
+                assert ready.json() == {
+                    "status": "not_ready",
+                    "engine": True,
+                    "database": False,
+                    "keys": False,
+                    "policies": False,
+                }
+            wait_until(lambda: httpx.get(gw.url + "/readyz").status_code == 200, "the keys to be read", 60)
+            refused = httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30)
+            assert assert_openai_error(refused, 401)["code"] == "invalid_api_key"
+            served = httpx.post(
+                gw.url + "/v1/chat/completions", json=chat, headers=bearer(secret), timeout=30
+            )
+            assert served.status_code == 200, served.text
+            assert_each_answered_call_stored_once(gw, url, [served.headers["x-request-id"]])
+        finally:
+            engine.kill()
+
+
+async def managed_key(url: str) -> str:
+    database = Database(url)
+    try:
+        async with database.session() as session:
+            _, secret = await create_key(session, "app", ["chat"])
+            await session.commit()
+    finally:
+        await database.dispose()
+    return secret
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
 
 
 def test_client_leaving_before_the_reply_is_recorded_as_a_disconnect(

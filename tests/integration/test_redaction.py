@@ -13,9 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.settings import async_database_url
+from gateway.engines.upstream import UpstreamEngine
+from gateway.routing import ModelRouter, PoliciesUnavailable
+from gateway.settings import Settings, async_database_url
 from storage.database import Database
 from storage.episodes import get_trajectory
+from storage.policies import create_policy
+from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.integration.test_feedback import add_policy
@@ -168,3 +172,36 @@ def test_policies_without_privacy_store_verbatim(make_gateway: MakeGateway, tmp_
     assert gw.services.router.redactor("scripted-1") is None
     [call] = query(url, "SELECT request FROM calls WHERE episode_id = :e", e=raw.headers["x-episode-id"])
     assert PII["email"] in str(call["request"])
+
+
+def test_a_capture_only_gateway_serves_nothing_before_it_has_read_the_privacy_sections(
+    tmp_path: Path,
+) -> None:
+    # A capture-only gateway passes any model name to its upstream, and the policy of that name decides what is
+    # masked: with the policies unread, a call would be stored verbatim. Here the database cannot be opened yet
+    # (its directory is missing), as when it is unreachable at start-up.
+    url = f"sqlite:///{tmp_path / 'later' / 'kaizen.db'}"
+    settings = Settings.load(data_dir=tmp_path, database_url=url, engine="upstream", port=0)
+
+    async def run() -> None:
+        database = Database(settings.database_url)
+        router = ModelRouter(UpstreamEngine(settings), 60.0, database=database, policy_refresh_s=60.0)
+        try:
+            await router.refresh_policies()
+            for read in (router.resolve, router.redactor):
+                with pytest.raises(PoliciesUnavailable) as refused:
+                    read("scripted-1")
+                assert (refused.value.status_code, refused.value.code) == (503, "policies_unavailable")
+            await upgrade_database(settings.database_url)
+            async with database.session() as session:
+                await create_policy(session, "scripted-1", "base", {"privacy": {"mode": "mask"}})
+                await session.commit()
+            await router.refresh_policies()
+            assert router.resolve("scripted-1").policy == "scripted-1"
+            redactor = router.redactor("scripted-1")
+            assert redactor is not None and PII["email"] not in redactor.text(PII["email"])
+        finally:
+            await router.engine.close()
+            await database.dispose()
+
+    asyncio.run(run())
