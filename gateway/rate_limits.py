@@ -25,6 +25,7 @@ import msgspec
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.auth import KeyRing
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.settings import Settings
 
@@ -48,16 +49,17 @@ class Limits:
     tokens: int
 
 
-def caller_identity(authorization: str | None, client_host: str | None) -> str:
+def caller_identity(authorization: str | None, client_host: str | None, keys: KeyRing) -> str:
     """The stable name of the bucket a request counts against.
 
-    A bearer key is named by a short SHA-256 prefix (the key itself is never kept); a request without one counts
-    against its client address. This is the one place that decides who a caller is, so it can later map a
-    managed key to its id instead.
+    A key the gateway knows is named by a short SHA-256 prefix (the key itself is never kept); any other request
+    counts against its client address. An unknown token is no identity: an open gateway accepts any, and a
+    closed one refuses it, so a new token per request must not buy a new bucket (unlimited calls, or unlimited
+    guesses at a key). This is the one place that decides who a caller is.
     """
     if authorization is not None and authorization[:7].lower() == "bearer ":
         token = authorization[7:].strip()
-        if token:
+        if token and keys.lookup("Bearer " + token) is not None:
             return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
     return "anon-" + (client_host or "unknown")
 
@@ -263,7 +265,8 @@ def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
                 await app(scope, receive, send)
                 return
             client = scope.get("client")
-            identity = caller_identity(_header(scope, b"authorization"), client[0] if client else None)
+            keys: KeyRing = scope["app"].state.key_ring
+            identity = caller_identity(_header(scope, b"authorization"), client[0] if client else None, keys)
             spends_tokens = bool(scope["route_handler"].opt.get(SPENDS_TOKENS))
             verdict = limiter.admit(identity, spends_tokens=spends_tokens)
             caller = verdict.caller

@@ -86,7 +86,7 @@ def test_tokens_limit_refuses_once_usage_spent_the_budget(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
     tpm = 2
-    gw = make_gateway(database_url, rate_limit_tpm=tpm)
+    gw = make_gateway(database_url, api_keys=KEYS, rate_limit_tpm=tpm)
     first = post(gw, "key-one")
     assert first.status_code == 200
     used = first.json()["usage"]["total_tokens"]
@@ -114,7 +114,14 @@ def test_callers_without_a_key_share_their_address_bucket(make_gateway: MakeGate
     gw = make_gateway(f"sqlite:///{tmp_path}/anon.db", rate_limit_rpm=1)
     assert post(gw, None).status_code == 200
     assert post(gw, None).status_code == 429
-    assert post(gw, "key-one").status_code == 200
+    # An open gateway accepts any token, so a token is no identity: a new one per call is still this address.
+    assert [post(gw, f"made-up-{i}").status_code for i in range(3)] == [429] * 3
+
+
+def test_guessed_keys_count_against_the_guessers_address(make_gateway: MakeGateway, tmp_path: Path) -> None:
+    gw = make_gateway(f"sqlite:///{tmp_path}/guess.db", api_keys=KEYS, rate_limit_rpm=2)
+    assert [post(gw, f"guess-{i}").status_code for i in range(4)] == [401, 401, 429, 429]
+    assert post(gw, "key-one").status_code == 200  # a known key keeps its own bucket
 
 
 def test_no_limits_no_headers(make_gateway: MakeGateway, tmp_path: Path) -> None:

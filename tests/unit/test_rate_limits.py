@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.auth import KeyRing
 from gateway.rate_limits import Limits, RateLimiter, caller_identity, duration, limiter_from_settings
 from gateway.settings import Settings
 
@@ -137,13 +138,23 @@ def test_idle_callers_are_forgotten_once_there_are_many() -> None:
 
 
 def test_caller_identity_names_keys_without_keeping_them() -> None:
-    one = caller_identity("Bearer secret-one", "10.0.0.1")
-    assert one == caller_identity("Bearer secret-one", "10.0.0.2")  # the key, not the address
+    ring = KeyRing(["secret-one", "secret-two"])
+    one = caller_identity("Bearer secret-one", "10.0.0.1", ring)
+    assert one == caller_identity("Bearer secret-one", "10.0.0.2", ring)  # the key, not the address
     assert one.startswith("key-") and len(one) == 20 and "secret" not in one
-    assert one != caller_identity("Bearer secret-two", "10.0.0.1")
-    assert caller_identity(None, "10.0.0.1") == "anon-10.0.0.1"
-    assert caller_identity("Bearer ", "10.0.0.1") == "anon-10.0.0.1"
-    assert caller_identity(None, None) == "anon-unknown"
+    assert one != caller_identity("Bearer secret-two", "10.0.0.1", ring)
+    assert caller_identity(None, "10.0.0.1", ring) == "anon-10.0.0.1"
+    assert caller_identity("Bearer ", "10.0.0.1", ring) == "anon-10.0.0.1"
+    assert caller_identity(None, None, ring) == "anon-unknown"
+
+
+def test_a_key_the_gateway_does_not_know_counts_against_its_address() -> None:
+    # An open gateway accepts any bearer token: were each token its own caller, a new one per request would
+    # never be limited. A closed gateway refuses unknown keys, but counting each guess apart would let a
+    # client guess keys at any rate.
+    for ring in (KeyRing([]), KeyRing(["secret-one"])):
+        ring.load([])
+        assert {caller_identity(f"Bearer guess-{i}", "10.0.0.1", ring) for i in range(5)} == {"anon-10.0.0.1"}
 
 
 @pytest.mark.parametrize(
