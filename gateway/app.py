@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, LoginThrottle
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
 from gateway.completions import RelayService
@@ -403,7 +403,11 @@ def create_app(services: Services) -> Litestar:
         ],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
-    state: dict[str, Any] = {"key_ring": services.keys}
+    state: dict[str, Any] = {
+        "key_ring": services.keys,
+        # Failed logins with the admin key (dashboard, /admin, /metrics), counted together per client address.
+        "login_throttle": LoginThrottle(settings.dashboard_login_failures, settings.dashboard_login_window_s),
+    }
     dashboard: list[Router] = []
     templates: TemplateConfig[Any] | None = None
     if settings.dashboard:

@@ -15,9 +15,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
@@ -238,8 +240,12 @@ def requires(scope: Scope) -> Guard:
                 raise AuthenticationError(
                     "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
                 )
+            throttle: LoginThrottle = connection.app.state.login_throttle
+            address = client_address(connection)
+            refuse_throttled(throttle, address)
             found = found_or_unavailable(ring, authorization)
             if found is None:
+                throttle.failed(address)
                 raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
             principal = _with_scope(found, scope)
         else:
@@ -259,6 +265,80 @@ def principal_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:
     """The principal a guard established for this request."""
     principal: Principal = connection.scope["state"][_STATE_KEY]
     return principal
+
+
+class LoginThrottle:
+    """Failed logins per client address, in this process's memory: an address that failed `limit` times
+    within `window_s` is refused (right key or not) until the oldest of those failures is `window_s` old.
+    A login is anything the admin key opens: the dashboard's form, /admin and /metrics, counted together.
+    Each replica counts on its own, like the rate limits; at most `max_addresses` addresses are remembered."""
+
+    def __init__(
+        self,
+        limit: int,
+        window_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_addresses: int = 10_000,
+    ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.clock = clock
+        self.max_addresses = max_addresses
+        self._failures: dict[str, deque[float]] = {}
+
+    def _recent(self, address: str, now: float) -> deque[float] | None:
+        failures = self._failures.get(address)
+        while failures and failures[0] <= now - self.window_s:
+            failures.popleft()
+        if failures is not None and not failures:
+            del self._failures[address]
+            return None
+        return failures
+
+    def retry_after(self, address: str) -> float | None:
+        """Seconds until this address may try again; None when it may now (or throttling is off)."""
+        if self.limit <= 0:
+            return None
+        now = self.clock()
+        failures = self._recent(address, now)
+        if failures is None or len(failures) < self.limit:
+            return None
+        return failures[-self.limit] + self.window_s - now
+
+    def failed(self, address: str) -> None:
+        if self.limit <= 0:
+            return
+        now = self.clock()
+        if address not in self._failures and len(self._failures) >= self.max_addresses:
+            for known in list(self._failures):  # forget addresses whose failures are all old
+                self._recent(known, now)
+            if len(self._failures) >= self.max_addresses:  # still full: the oldest entry goes
+                del self._failures[next(iter(self._failures))]
+        failures = self._failures.setdefault(address, deque())
+        failures.append(now)
+        while len(failures) > self.limit:
+            failures.popleft()
+
+    def succeeded(self, address: str) -> None:
+        self._failures.pop(address, None)
+
+
+def refuse_throttled(throttle: LoginThrottle, address: str) -> None:
+    """429 for an address that failed too many logins lately, whatever key it sends now: answering a right
+    key differently would let the guessing go on."""
+    wait = throttle.retry_after(address)
+    if wait is not None:
+        raise APIError(
+            f"Too many failed logins from this address; try again in {math.ceil(wait)} s.",
+            status_code=429,
+            code="too_many_failed_logins",
+            retry_after=wait,
+        )
+
+
+def client_address(connection: ASGIConnection[Any, Any, Any, Any]) -> str:
+    return connection.client.host if connection.client is not None else ""
 
 
 # ---------------------------------------------------------------------------------------------- key management

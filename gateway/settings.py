@@ -437,12 +437,15 @@ class Settings(BaseSettings):
     dashboard_login_failures: int = Field(
         5,
         ge=0,
-        description="Failed dashboard logins a client address may make within KAIZEN_DASHBOARD_LOGIN_WINDOW_S "
-        "before its logins are refused (429, any key) until the oldest failure leaves the window; counted by "
-        "each gateway process on its own. 0: no limit.",
+        description="Failed logins a client address may make within KAIZEN_DASHBOARD_LOGIN_WINDOW_S (at the "
+        "dashboard, or a wrong key on /admin or a keyed /metrics, counted together) before all of them are "
+        "refused (429, any key) until the oldest failure leaves the window; counted by each gateway process "
+        "on its own. 0: no limit.",
     )
     dashboard_login_window_s: float = Field(
-        300.0, gt=0, description="The window over which failed dashboard logins are counted."
+        300.0,
+        gt=0,
+        description="The window over which failed logins (dashboard, /admin, /metrics) are counted.",
     )
     dashboard_search_episodes: int = Field(
         20_000,

@@ -7,7 +7,7 @@ from typing import Any
 from litestar import Controller, Request, Response, get
 from litestar.di import NamedDependency
 
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, LoginThrottle, client_address, refuse_throttled
 from gateway.errors import AuthenticationError
 from gateway.metrics import GatewayMetrics
 
@@ -22,8 +22,14 @@ class MetricsController(Controller):
         metrics: NamedDependency[GatewayMetrics],
         keys: NamedDependency[KeyRing],
     ) -> Response[bytes]:
-        """The exposition Prometheus scrapes: open on a loopback gateway, else the metrics key or an admin key."""
+        """The exposition Prometheus scrapes: open on a loopback gateway, else the metrics key or an admin key
+        (a wrong one counts as a failed login, like a wrong admin key on /admin)."""
+        throttle: LoginThrottle = request.app.state.login_throttle
+        address = client_address(request)
+        if not metrics.open:
+            refuse_throttled(throttle, address)
         if not metrics.allows(request.headers.get("authorization"), keys):
+            throttle.failed(address)
             raise AuthenticationError(
                 "Missing or invalid key for /metrics: send `Authorization: Bearer <KAIZEN_METRICS_KEY>`.",
                 code="invalid_metrics_key",

@@ -26,7 +26,7 @@ from gateway.controllers.params import PathName
 from gateway.dashboard.actions import DashboardActions, DashboardLogin
 from gateway.dashboard.formatting import FILTERS
 from gateway.dashboard.pages import DashboardPages, LoginPage
-from gateway.dashboard.sessions import LoginRequired, LoginThrottle, SessionSigner
+from gateway.dashboard.sessions import LoginRequired, SessionSigner
 from gateway.errors import APIError, NotFound
 from gateway.keyfile import generated_key
 from gateway.settings import Settings
@@ -66,7 +66,7 @@ async def static_asset(name: FromPath[PathName]) -> Response[bytes]:
 
 
 def dashboard_state(settings: Settings) -> dict[str, Any]:
-    """What the dashboard keeps in the app's state: the session signer and the failed-login throttle."""
+    """What the dashboard keeps in the app's state: the session signer."""
 
     def secret() -> bytes:
         return settings.dashboard_secret.encode() or generated_key(settings.data_dir / "dashboard.key")
@@ -74,9 +74,6 @@ def dashboard_state(settings: Settings) -> dict[str, Any]:
     return {
         "dashboard_signer": SessionSigner(
             secret, settings.dashboard_session_ttl_s, secure=settings.dashboard_secure_cookie
-        ),
-        "dashboard_throttle": LoginThrottle(
-            settings.dashboard_login_failures, settings.dashboard_login_window_s
         ),
     }
 

@@ -4,7 +4,6 @@ operations, audited with the logged-in key as the actor."""
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -14,12 +13,20 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing, digest, found_or_unavailable, principal_of
+from gateway.auth import (
+    KeyRing,
+    LoginThrottle,
+    client_address,
+    digest,
+    found_or_unavailable,
+    principal_of,
+    refuse_throttled,
+)
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, promote_version, roll_back
 from gateway.controllers.runs import ScheduleView, set_paused
-from gateway.dashboard.sessions import LoginThrottle, SessionSigner, requires_login, session_of
-from gateway.errors import APIError, AuthenticationError, InvalidRequest, PermissionDenied
+from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
+from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from gateway.feedback import FeedbackResult, FeedbackService, Id
 from gateway.scheduling import Jobs
 from storage.logouts import record_logout
@@ -69,16 +76,9 @@ class DashboardLogin(Controller):
     ) -> Response[LoggedIn]:
         """Log in with the admin key or a managed key with the `admin` scope; answers with the session cookie.
         An address that failed too often is refused for a while, whatever key it sends."""
-        throttle: LoginThrottle = request.app.state.dashboard_throttle
-        address = request.client.host if request.client is not None else ""
-        wait = throttle.retry_after(address)
-        if wait is not None:
-            raise APIError(
-                f"Too many failed logins from this address; try again in {math.ceil(wait)} s.",
-                status_code=429,
-                code="too_many_failed_logins",
-                retry_after=wait,
-            )
+        throttle: LoginThrottle = request.app.state.login_throttle
+        address = client_address(request)
+        refuse_throttled(throttle, address)
         principal = found_or_unavailable(keys, f"Bearer {data.key}")
         if principal is None:
             throttle.failed(address)

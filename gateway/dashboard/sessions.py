@@ -1,5 +1,5 @@
-"""Dashboard logins: a signed, expiring session cookie naming the key that logged in, CSRF tokens, and the
-throttle on failed logins.
+"""Dashboard logins: a signed, expiring session cookie naming the key that logged in, and CSRF tokens (failed
+logins are throttled by `gateway.auth.LoginThrottle`).
 
 The cookie holds the SHA-256 of the key (as `api_keys` stores it), an expiry and a random nonce, signed with
 HMAC-SHA256 under the dashboard secret, so any replica with the same secret accepts it. Every request looks
@@ -19,7 +19,6 @@ import hmac
 import math
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,62 +125,6 @@ class SessionSigner:
             samesite="strict",
             secure=self.secure,
         )
-
-
-class LoginThrottle:
-    """Failed logins per client address, in this process's memory: an address that failed `limit` times
-    within `window_s` is refused (right key or not) until the oldest of those failures is `window_s` old.
-    Each replica counts on its own, like the rate limits; at most `max_addresses` addresses are remembered."""
-
-    def __init__(
-        self,
-        limit: int,
-        window_s: float,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        max_addresses: int = 10_000,
-    ) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self.clock = clock
-        self.max_addresses = max_addresses
-        self._failures: dict[str, deque[float]] = {}
-
-    def _recent(self, address: str, now: float) -> deque[float] | None:
-        failures = self._failures.get(address)
-        while failures and failures[0] <= now - self.window_s:
-            failures.popleft()
-        if failures is not None and not failures:
-            del self._failures[address]
-            return None
-        return failures
-
-    def retry_after(self, address: str) -> float | None:
-        """Seconds until this address may try again; None when it may now (or throttling is off)."""
-        if self.limit <= 0:
-            return None
-        now = self.clock()
-        failures = self._recent(address, now)
-        if failures is None or len(failures) < self.limit:
-            return None
-        return failures[-self.limit] + self.window_s - now
-
-    def failed(self, address: str) -> None:
-        if self.limit <= 0:
-            return
-        now = self.clock()
-        if address not in self._failures and len(self._failures) >= self.max_addresses:
-            for known in list(self._failures):  # forget addresses whose failures are all old
-                self._recent(known, now)
-            if len(self._failures) >= self.max_addresses:  # still full: the oldest entry goes
-                del self._failures[next(iter(self._failures))]
-        failures = self._failures.setdefault(address, deque())
-        failures.append(now)
-        while len(failures) > self.limit:
-            failures.popleft()
-
-    def succeeded(self, address: str) -> None:
-        self._failures.pop(address, None)
 
 
 def _same_origin(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import httpx
 from markupsafe import escape
@@ -117,6 +118,45 @@ def test_failed_logins_are_throttled_per_client_address(make_gateway: MakeGatewa
     assert other.post("/dashboard/session", json={"key": ADMIN}).status_code == 200
     wait_until(
         lambda: guesser.post("/dashboard/session", json={"key": ADMIN}).status_code == 200,
+        "the failures to leave the window",
+        timeout_s=10,
+        every_s=0.5,
+    )
+    guesser.close()
+    other.close()
+
+
+def test_guesses_at_the_admin_key_on_admin_routes_count_as_failed_logins(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    # The admin key opens /admin and /metrics as well as the dashboard: guesses there must meet the same
+    # throttle, or a short admin key could be guessed at full speed beside a throttled login form.
+    gw = make_gateway(
+        f"sqlite:///{tmp_path / 'guess.db'}",
+        admin_key=ADMIN,
+        host="0.0.0.0",  # /metrics wants a key off loopback
+        dashboard_login_failures=3,
+        dashboard_login_window_s=2.0,
+    )
+    guesser = httpx.Client(base_url=gw.url)
+    guesses = [
+        guesser.get("/admin/audit", headers={"authorization": "Bearer guess-1"}),
+        guesser.get("/metrics", headers={"authorization": "Bearer guess-2"}),
+        guesser.get("/admin/policies", headers={"authorization": "Bearer guess-3"}),
+    ]
+    assert [g.status_code for g in guesses] == [401, 401, 401]
+    for refused in (
+        guesser.get("/admin/audit", headers={"authorization": f"Bearer {ADMIN}"}),  # even the right key
+        guesser.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"}),
+        guesser.post("/dashboard/session", json={"key": ADMIN}),
+    ):
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "too_many_failed_logins"
+        assert 1 <= int(refused.headers["retry-after"]) <= 2
+    other = httpx.Client(base_url=gw.url, transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+    assert other.get("/admin/audit", headers={"authorization": f"Bearer {ADMIN}"}).status_code == 200
+    wait_until(
+        lambda: guesser.get("/admin/audit", headers={"authorization": f"Bearer {ADMIN}"}).status_code == 200,
         "the failures to leave the window",
         timeout_s=10,
         every_s=0.5,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.dashboard.sessions import LoginThrottle, SessionSigner
+from gateway.auth import LoginThrottle
+from gateway.dashboard.sessions import SessionSigner
 
 
 def _signer(secret: bytes = b"k" * 32, ttl_s: float = 60) -> SessionSigner:
