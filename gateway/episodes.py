@@ -40,15 +40,16 @@ def valid_id(value: str) -> bool:
 def _json_value(text: str) -> str:
     """A JSON object or array as one canonical text (no whitespace, sorted keys, escapes decoded), so clients
     that re-serialise what they got back (`{"city":"Paris"}` for `{"city": "Paris"}`) send the same thing;
-    any other text as it is."""
+    any other text as it is, including text that opens like JSON nested past what the decoder takes (a reply
+    of a thousand brackets): that is no client's re-serialised JSON."""
     stripped = text.lstrip()
     if not stripped.startswith(("{", "[")):
         return text
     try:
         value = _decode(stripped)
-    except msgspec.DecodeError:
+        return _encode(value, order="sorted").decode()
+    except (msgspec.DecodeError, RecursionError):
         return text
-    return _encode(value, order="sorted").decode()
 
 
 def _text(content: Any) -> str:

@@ -322,3 +322,39 @@ def test_nul_in_an_identifier_is_refused_before_serving(
     assert isinstance(error, dict) and error["param"] == param, error
     assert len(upstream.requests) == served
     assert calls(gw, database_url) == []
+
+
+def test_text_that_opens_like_deeply_nested_json_is_served_and_captured(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    # Conversations are hashed with JSON text compared by value; text that opens like JSON nested past what the
+    # decoder takes (a degenerate reply of brackets) is plain text, not a reason to fail the call after the reply.
+    gw = make_gateway(database_url, capture_embeddings=True)
+    brackets = "[" * 1000
+    sdk = client(gw)
+    first = sdk.chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": f"#json {brackets}"}]
+    )
+    assert first.parse().choices[0].message.content == brackets
+    follow_up = sdk.chat.completions.with_raw_response.create(
+        model="scripted-1",
+        messages=[
+            {"role": "user", "content": f"#json {brackets}"},
+            {"role": "assistant", "content": brackets},
+            {"role": "user", "content": brackets},
+        ],
+    )
+    assert follow_up.headers["x-episode-id"] == first.headers["x-episode-id"]
+    chunks = sdk.chat.completions.create(
+        model="scripted-1", messages=[{"role": "user", "content": f"#json {brackets}"}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == brackets
+    for path, field in (
+        ("/v1/responses", "input"),
+        ("/v1/completions", "prompt"),
+        ("/v1/embeddings", "input"),
+    ):
+        response = httpx.post(gw.url + path, json={"model": "scripted-1", field: brackets}, timeout=30)
+        assert response.status_code == 200, (path, response.text)
+    rows = calls(gw, database_url)
+    assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}
