@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.body_depth import MAX_JSON_DEPTH
 from gateway.http_protocol import OpenAIH11Protocol, OpenAIHttpToolsProtocol
 from gateway.settings import Settings
 from tests.conftest import query
@@ -372,6 +373,13 @@ BODY_MUTATORS: dict[str, BodyMutator] = {
     "empty object": lambda _: b"{}",
     "deep nesting": lambda _: _nested(DEEP).encode(),
     "deep nesting in a field": lambda b: _json(b)[:-1] + b', "deep": ' + _nested(DEEP).encode() + b"}",
+    # Just within what the decoders take, but not what storing, schema checks or templates take after them.
+    "decodable deep nesting in a field": lambda b: (
+        _json(b)[:-1] + b', "deep": ' + _nested(960).encode() + b"}"
+    ),
+    "nesting past the limit in a field": lambda b: (
+        _json(b)[:-1] + b', "deep": ' + _nested(MAX_JSON_DEPTH).encode() + b"}"
+    ),
     "invalid utf-8": lambda b: _json(b)[:-1] + b', "x": "\xff\xfe"}',
     "invalid utf-8 in a key": lambda b: _json(b)[:-1] + b', "\xc3\x28": 1}',
     "nul bytes": lambda b: b"\x00" + _json(b),
@@ -587,3 +595,38 @@ def test_requests_the_http_parser_rejects_get_an_openai_shaped_400(
             assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
     finally:
         gw.stop()
+
+
+def test_json_nested_to_the_limit_is_stored_and_one_level_more_is_refused(
+    make_gateway: Callable[..., GatewayServer], database_url: str
+) -> None:
+    gw = make_gateway(database_url, admin_key=ADMIN_KEY)
+    call = httpx.post(gw.url + "/v1/chat/completions", json={"model": "scripted-1", "messages": USER})
+    episode = call.headers["x-episode-id"]
+    gw.flush()
+
+    def metadata(depth: int) -> bytes:  # {"metadata": {"m": [[...]]}}: `depth` containers in all
+        return b'{"metadata": {"m": ' + _nested(depth - 2).encode() + b"}}"
+
+    url = f"{gw.url}/v1/episodes/{episode}"
+    json_headers = {"content-type": "application/json"}
+    stored = httpx.put(url, content=metadata(MAX_JSON_DEPTH), headers=json_headers)
+    assert stored.status_code == 200, stored.text
+    [row] = query(database_url, "SELECT metadata FROM episodes WHERE id = :e", e=episode)
+    assert str(row["metadata"]).count("[") == MAX_JSON_DEPTH - 2
+    for depth in (MAX_JSON_DEPTH + 1, 960):  # 960: once decoded, then a 500 when stored
+        refused = httpx.put(url, content=metadata(depth), headers=json_headers)
+        assert refused.status_code == 400, refused.text
+        validate("ErrorResponse", refused.json())
+        assert refused.json()["error"]["code"] == "invalid_json"
+    [after] = query(database_url, "SELECT metadata FROM episodes WHERE id = :e", e=episode)
+    assert after == row
+
+    # A policy whose configuration cannot be stored leaves no adapter directory behind either.
+    created = httpx.post(
+        gw.url + "/admin/policies",
+        content=b'{"name": "deep", "config": {"train": {"m": ' + _nested(960).encode() + b"}}}",
+        headers={**json_headers, "authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    assert created.status_code == 400, created.text
+    assert not (gw.settings.data_dir / "adapters" / "deep").exists()
