@@ -79,8 +79,11 @@ async def create_policy_with_initial_adapter(
         if exist_ok:
             return existing
         raise PolicyExists(f"policy {name!r} already exists")
-    if "@" in name or "/" in name or not name.strip():
-        raise ValueError("a policy name must be non-empty and contain neither '@' nor '/'")
+    if "@" in name or "/" in name or not name.strip() or name in (".", ".."):
+        # Its versions live at adapters/<name>/<version>: the name must be one step below adapters/.
+        raise ValueError(
+            "a policy name must be non-empty, contain neither '@' nor '/', and not be '.' or '..'"
+        )
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
     target = adapter_dir(data_dir, name, 0)
     log.info("building version 0 of %s at %s", name, target)

@@ -93,8 +93,10 @@ class PoliciesController(Controller):
             raise invalid_policy_config(exc) from exc
         except BaseModelUnavailable as exc:
             raise InvalidRequest(str(exc), param="base_model", code="base_model_unavailable") from exc
-        except (PolicyExists, ValueError) as exc:
+        except PolicyExists as exc:
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
+        except ValueError as exc:  # a name that cannot be a directory of the adapter store
+            raise InvalidRequest(str(exc), param="name", code="invalid_value") from exc
         [view] = await _view(session, data.name)
         return view
 

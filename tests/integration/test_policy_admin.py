@@ -188,3 +188,24 @@ def test_the_cli_refuses_a_base_model_that_cannot_be_loaded(
     assert main(["policy", "create", "bot", *flags]) == 2
     assert "base model '/no/such/model' could not be loaded" in caplog.text
     assert query(url, "SELECT name FROM policies") == []
+
+
+@pytest.mark.parametrize("name", ["..", "."])
+def test_a_policy_name_that_is_a_path_step_is_refused(
+    make_gateway: MakeGateway, tmp_path: Path, name: str
+) -> None:
+    # Versions live at adapters/<name>/<version>: `..` would put them beside the adapter store, `.` among other
+    # policies' directories.
+    url = f"sqlite:///{tmp_path / 'names.db'}"
+    gw = make_gateway(url, admin_key="adm")
+    refused = httpx.post(
+        gw.url + "/admin/policies", json={"name": name}, headers={"authorization": "Bearer adm"}
+    )
+    assert refused.status_code == 400, refused.text
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == ("name", "invalid_value")
+    assert query(url, "SELECT name FROM policies") == []
+    assert sorted(p.name for p in gw.settings.data_dir.iterdir() if p.is_dir() and p.name.isdigit()) == []
+    assert (
+        not (gw.settings.data_dir / "adapters").exists()
+        or list((gw.settings.data_dir / "adapters").iterdir()) == []
+    )
