@@ -179,6 +179,7 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
                 args.name,
                 settings.base_model,
                 config,
+                actor="cli",
                 exist_ok=args.exist_ok,
             )
         log.info(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.base_models import resolve_base_model
+from storage.audit import record_audit
 from storage.database import Database
 from storage.policies import (
     PolicyExists,
@@ -64,9 +65,11 @@ async def create_policy_with_initial_adapter(
     base_model: str,
     config: dict[str, Any] | None = None,
     *,
+    actor: str,
     exist_ok: bool = False,
 ) -> PolicyInfo:
-    """Create policy `name` on `base_model` with version 0 active. Idempotent with `exist_ok`.
+    """Create policy `name` on `base_model` with version 0 active, recorded in the audit log as `actor`'s
+    (with its configuration: a scorer's webhook is where trajectories go). Idempotent with `exist_ok`.
 
     Raises `InvalidPolicyConfig` (naming every problem) for a bad `config`; it is stored as given, so keys
     it leaves out keep following the defaults. Raises `BaseModelUnavailable` when the base model cannot be
@@ -92,6 +95,9 @@ async def create_policy_with_initial_adapter(
         policy = await create_policy(session, name, base_model, config)
         await add_adapter(session, policy.id, 0, str(target.resolve()), status="active")
         await activate_version(session, policy.id, 0)
+        await record_audit(
+            session, actor, "policy.create", name, {"base_model": base_model, "config": config}
+        )
         await session.commit()
         created = await get_policy(session, name)
     assert created is not None

@@ -74,6 +74,7 @@ class PoliciesController(Controller):
     @post("", status_code=201)
     async def create(
         self,
+        request: Request[Any, Any, Any],
         data: JSONBody[CreatePolicy],
         database: NamedDependency[Database],
         session: NamedDependency[AsyncSession],
@@ -87,7 +88,12 @@ class PoliciesController(Controller):
         # unique key and is answered 409 by the app.
         try:
             await create_policy_with_initial_adapter(
-                database, settings.data_dir, data.name, data.base_model or settings.base_model, data.config
+                database,
+                settings.data_dir,
+                data.name,
+                data.base_model or settings.base_model,
+                data.config,
+                actor=principal_of(request).actor,
             )
         except InvalidPolicyConfig as exc:
             raise invalid_policy_config(exc) from exc

@@ -87,7 +87,9 @@ def test_versions_are_on_both_replicas_before_they_are_served(gateway: GatewaySe
     data = gateway.settings.data_dir
 
     async def create(database: Database) -> None:
-        await create_policy_with_initial_adapter(database, data, "bot", "smollm2-135m-instruct")
+        await create_policy_with_initial_adapter(
+            database, data, "bot", "smollm2-135m-instruct", actor="tests"
+        )
 
     database_run(gateway, create)
     wait_until(lambda: served_model(gateway, "bot") == "bot@0", "bot@0 to be served", 120)

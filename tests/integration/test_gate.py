@@ -62,7 +62,7 @@ def run(server: VLLMServer, coro: Any) -> Any:
 def make_policy(server: VLLMServer, name: str, config: dict[str, Any] | None = None) -> PolicyInfo:
     async def create(database: Database) -> PolicyInfo:
         return await create_policy_with_initial_adapter(
-            database, server.data_dir, name, server.model, config or {}
+            database, server.data_dir, name, server.model, config or {}, actor="tests"
         )
 
     policy: PolicyInfo = run(server, create)

@@ -188,7 +188,7 @@ def test_policy_versions_are_served_by_name(vllm_server: VLLMServer) -> None:
     data = vllm_server.data_dir
 
     async def create(database: Database) -> None:
-        await create_policy_with_initial_adapter(database, data, "bot", vllm_server.model)
+        await create_policy_with_initial_adapter(database, data, "bot", vllm_server.model, actor="tests")
 
     run(vllm_server, create)
     wait_until_served(vllm_server, "bot")
