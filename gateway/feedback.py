@@ -246,18 +246,19 @@ class FeedbackService:
             except InvalidPolicyConfig as exc:
                 raise APIError(str(exc), status_code=500, code="invalid_policy_config") from exc
             value, label = to_number(item.value, config, prefix + "value")
-            comment, metadata = item.comment, item.metadata
+            comment, metadata, name = item.comment, item.metadata, item.name
             redactor = self.redactor(target.policy)
             if redactor is not None:
                 comment = redactor.text(comment) if comment else comment
                 metadata = redactor.value(metadata)
+                name = redactor.text(name)
             prepared.append(
                 NewReward(
                     source="feedback",
                     value=value,
                     call_id=target.call_id,
                     episode_id=target.episode_id,
-                    name=item.name,
+                    name=name,
                     label=label,
                     comment=comment,
                     metadata=metadata,

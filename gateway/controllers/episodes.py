@@ -16,7 +16,8 @@ from gateway.auth import Principal, principal_of, requires
 from gateway.capture import CaptureSink
 from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
-from storage.episodes import Trajectory, get_trajectory, update_episode
+from gateway.routing import ModelRouter
+from storage.episodes import Trajectory, episode_policy, get_trajectory, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
 
@@ -117,18 +118,26 @@ class EpisodesController(Controller):
         request: Request[Any, Any, Any],
         session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
+        router: NamedDependency[ModelRouter],
     ) -> EpisodeOut:
-        """Replace the metadata and/or the tags given; fields left out are kept."""
+        """Replace the metadata and/or the tags given; fields left out are kept. They are redacted by the
+        episode's policy, like everything captured for it."""
         try:
             change = msgspec.json.decode(await request.body(), type=EpisodeUpdate)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidRequest(str(exc), code="invalid_value") from exc
         principal = principal_of(request)
+        metadata = None if isinstance(change.metadata, UnsetType) else change.metadata
+        tags = None if isinstance(change.tags, UnsetType) else list(change.tags)
+        _, policy = await episode_policy(session, episode_id)
+        redactor = router.redactor(policy)
+        if redactor is not None:
+            metadata, tags = redactor.value(metadata), redactor.value(tags)
         found = await update_episode(
             session,
             episode_id,
-            metadata=None if isinstance(change.metadata, UnsetType) else change.metadata,
-            tags=None if isinstance(change.tags, UnsetType) else list(change.tags),
+            metadata=metadata,
+            tags=tags,
             project=None if principal.all_projects else principal.project,
         )
         if not found:

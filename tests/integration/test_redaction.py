@@ -205,3 +205,29 @@ def test_a_capture_only_gateway_serves_nothing_before_it_has_read_the_privacy_se
             await database.dispose()
 
     asyncio.run(run())
+
+
+def test_what_a_client_writes_about_an_episode_later_is_redacted_too(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    # Metadata and tags set with PUT /v1/episodes/{id}, and a feedback item's name, reach the database as much
+    # as the call itself does.
+    url = f"sqlite:///{tmp_path / 'later.db'}"
+    gw = make_gateway(url, policy_refresh_s=0.1)
+    add_policy(url, "scripted-1", {"privacy": {"mode": "mask"}})
+    wait_until(lambda: gw.services.router.redactor("scripted-1") is not None, "the policy's redactor")
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="scripted-1", messages=[{"role": "user", "content": "hello"}]
+    )
+    episode_id = raw.headers["x-episode-id"]
+    gw.flush()
+    edit = {"metadata": {"owner": PII["email"], "notes": [PII["phone"]]}, "tags": [PII["email"], "plain"]}
+    edited = httpx.put(f"{gw.url}/v1/episodes/{episode_id}", json=edit, timeout=10)
+    assert edited.status_code == 200, edited.text
+    assert edited.json()["metadata"] == {"owner": "[EMAIL]", "notes": ["[PHONE]"]}
+    assert edited.json()["tags"] == ["[EMAIL]", "plain"]
+    named = {"request_id": raw.headers["x-request-id"], "value": 1, "name": f"csat {PII['email']}"}
+    assert httpx.post(gw.url + "/v1/feedback", json=named, timeout=10).status_code == 200
+    [row] = query(url, "SELECT metadata, tags FROM episodes WHERE id = :e", e=episode_id)
+    [reward] = query(url, "SELECT name FROM rewards")
+    assert leaks(json.dumps([row, reward], default=str)) == [] and reward["name"] == "csat [EMAIL]"
