@@ -53,6 +53,7 @@ _PATH = re.compile(r"at `\$\.?(.*)`$")
 # `X-Kaizen-Source`: what a tool that sends calls on purpose (not an app's traffic) names its episodes.
 _SOURCE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
 _MAX_GROUP_KEY = 256  # the length of `episodes.group_key` and `calls.group_key`
+_MAX_USER = 256  # the length of `calls.user`
 _DONE = b"data: [DONE]\n\n"
 # Request fields stored under their own keys; everything else is kept under `params`.
 _STORED_PARAMS = ("messages", "tools", "tool_choice")
@@ -401,15 +402,7 @@ class ChatService:
                 f"allowed_tools names tools that are not in tools: {unknown}",
                 param="tool_choice.allowed_tools",
             )
-        # Stored in text columns, which on PostgreSQL cannot hold NUL; content and metadata are JSON (lossless).
-        for param, value in (
-            ("user", request.user),
-            ("metadata.group_key", (request.metadata or {}).get("group_key")),
-        ):
-            if value is not None and "\x00" in value:
-                raise InvalidRequest(
-                    f"{param} must not contain NUL characters", param=param, code="invalid_value"
-                )
+        check_stored_fields(request.user, (request.metadata or {}).get("group_key"))
 
     # ------------------------------------------------------------------ engine call
     def _engine_body(self, ctx: CallContext) -> dict[str, Any]:
@@ -578,6 +571,19 @@ class ChatService:
         self.sink.submit(record)
         if self.tracer is not None:  # built on the loop's next turn: the answer does not wait for it
             asyncio.get_running_loop().call_soon(self.tracer.record, record, ctx.trace_parent)
+
+
+def check_stored_fields(user: object, group_key: object) -> None:
+    """Refuse, before the engine is called, a `user` or group key the `calls` row cannot hold: they are stored
+    in bounded text columns, which on PostgreSQL take no NUL and nothing longer than the column (the writer
+    would have to drop the call that was answered). Content and metadata are JSON, stored losslessly."""
+    for param, value, limit in (("user", user, _MAX_USER), ("metadata.group_key", group_key, _MAX_GROUP_KEY)):
+        if isinstance(value, str) and ("\x00" in value or len(value) > limit):
+            raise InvalidRequest(
+                f"{param} must be at most {limit} characters, without NUL characters",
+                param=param,
+                code="invalid_value",
+            )
 
 
 def _group_key(value: str | None) -> str | None:

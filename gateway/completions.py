@@ -19,7 +19,7 @@ import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.chat import ChatService, relay_events, validation_error
+from gateway.chat import ChatService, check_stored_fields, relay_events, validation_error
 from gateway.engines.base import Engine, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PermissionDenied
@@ -89,6 +89,7 @@ class RelayService:
         metadata: Mapping[str, str] | None,
         started: float,
     ) -> RelayContext:
+        check_stored_fields(body.get("user"), (metadata or {}).get("group_key"))
         route = self.router.resolve(model)
         if not principal.may_use(model, route.policy):
             raise PermissionDenied(

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.engines.base import Engine
-from gateway.errors import APIError, NotFound
+from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.redaction import Redactor
 from storage.database import Database
 from storage.policies import list_adapters, list_policies
@@ -32,6 +32,7 @@ from trainer.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
 
+MAX_POLICY_NAME = 128  # the length of the `policy` columns calls are stored under
 _PINNED = re.compile(r"^(?P<policy>.+)@(?P<version>\d+)$")
 
 
@@ -121,6 +122,14 @@ class ModelRouter:
             return self._adapter_route(pinned["policy"], version, state)
         if model in self.engine_models or (not self.engine_models and self.database is None):
             # An engine that could not list its models yet decides for itself.
+            if len(model) > MAX_POLICY_NAME or "\x00" in model:
+                # Its calls are stored under the model's name as their policy, a bounded text column.
+                raise InvalidRequest(
+                    f"A model name of more than {MAX_POLICY_NAME} characters, or with NUL characters, "
+                    "cannot be captured; serve the model under a shorter name.",
+                    param="model",
+                    code="invalid_value",
+                )
             return Route(model, model, None)
         raise NotFound(
             f"The model `{model}` does not exist or you do not have access to it.",

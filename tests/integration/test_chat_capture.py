@@ -358,3 +358,45 @@ def test_text_that_opens_like_deeply_nested_json_is_served_and_captured(
         assert response.status_code == 200, (path, response.text)
     rows = calls(gw, database_url)
     assert len(rows) == 6 and {row["status"] for row in rows} == {"ok"}
+
+
+LONG = "u" * 257
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": LONG}, "user"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "metadata": {"group_key": "g" * 257}},
+            "metadata.group_key",
+        ),
+        ("/v1/responses", {"input": "hi", "user": LONG}, "user"),
+        ("/v1/completions", {"prompt": "hi", "user": "a\u0000b"}, "user"),
+        ("/v1/completions", {"prompt": "hi", "user": LONG}, "user"),
+        ("/v1/completions", {"prompt": "hi", "metadata": {"group_key": "g\u0000"}}, "metadata.group_key"),
+        ("/v1/embeddings", {"input": "hi", "user": LONG}, "user"),
+    ],
+)
+def test_a_value_the_call_row_cannot_hold_is_refused_before_serving(
+    make_gateway: MakeGateway,
+    database_url: str,
+    upstream: ScriptedUpstream,
+    path: str,
+    fields: dict[str, object],
+    param: str,
+) -> None:
+    # `calls.user` and `calls.group_key` are bounded text columns: on PostgreSQL a longer value, or a NUL, made
+    # the writer drop a call that had been answered.
+    gw = make_gateway(database_url, capture_embeddings=True)
+    served = len(upstream.requests)
+    refused = httpx.post(gw.url + path, json={"model": "scripted-1", **fields}, timeout=30)
+    assert refused.status_code == 400, refused.text
+    validate("ErrorResponse", refused.json())
+    assert refused.json()["error"]["param"] == param
+    assert len(upstream.requests) == served
+    fine = {k: v for k, v in fields.items() if k not in ("user", "metadata")}
+    answered = httpx.post(gw.url + path, json={"model": "scripted-1", **fine, "user": "u" * 256}, timeout=30)
+    assert answered.status_code == 200, answered.text
+    assert [row["user"] for row in calls(gw, database_url)] == ["u" * 256]
