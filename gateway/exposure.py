@@ -58,19 +58,25 @@ def cors_config(settings: Settings) -> CORSConfig | None:
     """CORS for the configured origins only; None (no CORS headers at all) when none are configured."""
     if not settings.cors_origins:
         return None
+    # Any request header: the origins are the operator's own apps, and what an SDK sends grows with it
+    # (openai-node's `x-stainless-*`, `openai-organization`, tracing headers). The key is a bearer token,
+    # never a cookie, so no credentials mode is involved.
     return CORSConfig(
         allow_origins=settings.cors_origins,
-        allow_methods=["GET", "POST", "PUT", "OPTIONS"],
-        allow_headers=[
-            "authorization",
-            "content-type",
-            "x-episode-id",
+        allow_methods=["GET", "POST", "PUT", "DELETE", "OPTIONS"],
+        allow_headers=["*"],
+        expose_headers=[
             "x-request-id",
-            "x-kaizen-no-log",
-            "x-kaizen-signature",
+            "x-episode-id",
+            "x-kaizen-model",
+            "retry-after",
+            "retry-after-ms",
+            *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset") for kind in _LIMITS),
         ],
-        expose_headers=["x-request-id", "x-episode-id"],
     )
+
+
+_LIMITS = ("requests", "tokens")
 
 
 def _json_media_type(value: bytes) -> bool:
