@@ -41,7 +41,7 @@ from gateway.controllers.responses import ResponsesController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
-from gateway.exposure import cors_config, json_bodies_only
+from gateway.exposure import cors_config, json_bodies_only, loopback_hosts_only
 from gateway.feedback import FeedbackService
 from gateway.metrics import GatewayMetrics, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
@@ -463,6 +463,7 @@ def create_app(services: Services) -> Litestar:
         lifespan=[lifespan],
         middleware=[
             *([count_responses(services.metrics.calls)] if services.metrics is not None else []),
+            loopback_hosts_only(settings, services.keys),
             json_bodies_only,
             json_depth_limit(settings.max_body_bytes),
         ],

@@ -7,20 +7,36 @@
   request must therefore say `application/json` (a type browsers only send after a preflight), or it gets 415
   before any handler runs.
 - CORS is off unless `KAIZEN_CORS_ORIGINS` names the origins allowed to read answers.
+- A gateway on loopback without client keys is reachable by any page its machine's browser opens through DNS
+  rebinding: the page's own name is re-pointed at 127.0.0.1, so its calls are same-origin (no preflight, answers
+  readable) and only their `Host` header tells them apart. Such a gateway answers loopback host names only.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 
 import msgspec
 from litestar.config.cors import CORSConfig
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, HTTPResponseBodyEvent, HTTPResponseStartEvent, Receive, Scope, Send
 
+from gateway.auth import KeyRing
 from gateway.settings import Settings
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_HOST_NOT_ALLOWED = msgspec.json.encode(
+    {
+        "error": {
+            "message": "This gateway has no API keys and answers only loopback host names (localhost, 127.0.0.1, "
+            "[::1]) and those in KAIZEN_ALLOWED_HOSTS.",
+            "type": "permission_error",
+            "param": None,
+            "code": "host_not_allowed",
+        }
+    }
+)
 _UNSUPPORTED = msgspec.json.encode(
     {
         "error": {
@@ -123,3 +139,51 @@ def json_bodies_only(app: ASGIApp) -> ASGIApp:
         await app(scope, receive, send)
 
     return middleware
+
+
+def _host_name(value: bytes) -> str:
+    """The name in a Host header, without its port, lower-case (`[::1]:8000` -> `[::1]`)."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text.split("]", 1)[0] + "]"
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def _loopback_name(name: str, allowed: frozenset[str]) -> bool:
+    # `*.localhost` never leaves the machine (browsers resolve it to loopback themselves).
+    return name in allowed or name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+
+
+def loopback_hosts_only(settings: Settings, keys: KeyRing) -> Callable[[ASGIApp], ASGIApp]:
+    """ASGI middleware: while the gateway is open (no client key) on a loopback address, a request naming any
+    other host is refused with an OpenAI-shaped 403 before a handler runs. A request without a Host header is
+    no browser's and passes; once a key exists, the key is what keeps a rebinding page out."""
+    allowed = frozenset(host.lower() for host in settings.allowed_hosts)
+    guarded = is_loopback(settings.host)
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+            if guarded and scope["type"] == ScopeType.HTTP and keys.open:
+                host = next((value for name, value in scope["headers"] if name == b"host"), None)
+                if host is not None and not _loopback_name(_host_name(host), allowed):
+                    start: HTTPResponseStartEvent = {
+                        "type": "http.response.start",
+                        "status": 403,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(_HOST_NOT_ALLOWED)).encode()),
+                        ],
+                    }
+                    body: HTTPResponseBodyEvent = {
+                        "type": "http.response.body",
+                        "body": _HOST_NOT_ALLOWED,
+                        "more_body": False,
+                    }
+                    await send(start)
+                    await send(body)
+                    return
+            await app(scope, receive, send)
+
+        return middleware
+
+    return wrap

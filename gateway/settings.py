@@ -323,6 +323,13 @@ class Settings(BaseSettings):
         description="Serve on a non-loopback KAIZEN_HOST without KAIZEN_API_KEYS (anyone who can reach the port "
         "can then call the model and read episodes); without it such a start is refused.",
     )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated host names a gateway on a loopback KAIZEN_HOST without client keys answers "
+        "besides localhost and loopback addresses (a name in /etc/hosts, a local proxy that keeps the Host "
+        "header); any other Host header gets 403, against DNS rebinding. With client keys every name is "
+        "answered.",
+    )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Comma-separated browser origins allowed to call the API cross-origin (CORS); empty: CORS "
@@ -455,7 +462,7 @@ class Settings(BaseSettings):
         "instead and ignores this.",
     )
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "allowed_hosts", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         """A comma-separated string or a list (a TOML file); blank entries are dropped either way, so a
