@@ -234,7 +234,11 @@ def _episode_conditions(filt: EpisodeFilter) -> list[Any]:
     if filt.version is not None:
         conditions.append(exists().where(Call.episode_id == Episode.id, Call.adapter_version == filt.version))
     if filt.feedback is not None:
-        has = exists().where(Reward.episode_id == Episode.id, Reward.source == "feedback")
+        has = exists().where(
+            Reward.episode_id == Episode.id,
+            Reward.source == "feedback",
+            or_(Reward.project.is_(None), Reward.project == Episode.project),
+        )
         conditions.append(has if filt.feedback else ~has)
     return conditions
 
@@ -584,13 +588,16 @@ class RewardDetail:
 
 
 async def episode_rewards(session: AsyncSession, episode_id: str) -> list[RewardDetail]:
-    """Every reward of an episode and of its calls (pending ones included), oldest first."""
+    """Every reward of an episode and of its calls (pending ones included), oldest first. Feedback another
+    project sent for this id before the episode existed is not the episode's, and is left out."""
     # Two indexed lookups rather than one OR, which the query planners answer with a scan of `rewards`.
     call_ids = list(await session.scalars(select(Call.id).where(Call.episode_id == episode_id)))
+    project = await session.scalar(select(Episode.project).where(Episode.id == episode_id))
     found: dict[int, Reward] = {}
     for condition in (Reward.episode_id == episode_id, Reward.call_id.in_(call_ids)):
         for row in (await session.execute(select(Reward).where(condition).limit(1000))).scalars():
-            found[row.id] = row
+            if row.project is None or row.project == project:
+                found[row.id] = row
     rows = sorted(found.values(), key=lambda r: (utc(r.created_at), r.id))
     return [
         RewardDetail(

@@ -18,6 +18,7 @@ import pytest
 from gateway.cli import main
 from tests.conftest import query
 from tests.integration.test_policy_admin import seed_policy
+from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.postgres import PostgresServer
@@ -312,24 +313,38 @@ def test_early_feedback_from_another_project_never_reaches_the_episode(
     gw = gateway(make_gateway, database_url, feedback_link_interval_s=0.1)
     alpha = create_key(gw, "alpha-app", project="alpha")["secret"]
     beta = create_key(gw, "beta-app", project="beta")["secret"]
-    # Beta guesses the id alpha will choose and rewards it before it exists: accepted as pending.
-    early = httpx.post(
-        gw.url + "/v1/feedback", json={"episode_id": "ep-guess", "value": 0.0}, headers=bearer(beta)
-    )
-    assert early.status_code == 200 and early.json()["items"][0]["status"] == "pending"
+    # Beta guesses the ids alpha will choose and rewards them before they exist: accepted as pending.
+    for guess in ("ep-guess", "ep-other"):
+        early = httpx.post(
+            gw.url + "/v1/feedback",
+            json={"episode_id": guess, "value": 0.0, "comment": "beta-was-here"},
+            headers=bearer(beta),
+        )
+        assert early.status_code == 200 and early.json()["items"][0]["status"] == "pending"
     own = httpx.post(
-        gw.url + "/v1/feedback", json={"episode_id": "ep-guess", "value": 1.0}, headers=bearer(alpha)
+        gw.url + "/v1/feedback",
+        json={"episode_id": "ep-guess", "value": 1.0, "comment": "alpha-own"},
+        headers=bearer(alpha),
     )
     assert own.status_code == 200
     call_id, episode_id = chat(gw, alpha, **{"x-episode-id": "ep-guess"})
     assert episode_id == "ep-guess"
+    assert chat(gw, alpha, **{"x-episode-id": "ep-other"})[1] == "ep-other"
     wait_until(
         lambda: bool(query(database_url, "SELECT id FROM rewards WHERE status = 'linked'")),
         "alpha's early feedback linked",
     )
     statuses = [r["status"] for r in query(database_url, "SELECT status FROM rewards ORDER BY id")]
-    assert statuses == ["pending", "linked"]
+    assert statuses == ["pending", "pending", "linked"]
     shown = httpx.get(f"{gw.url}/v1/episodes/ep-guess", headers=bearer(alpha)).json()
     assert [r["value"] for r in shown["rewards"]] == [1.0]
     assert shown["reward"] == 1.0
     assert written(database_url, call_id)
+    # Nor does the dashboard show it as the episode's, or count it as feedback on it.
+    dashboard = login(gw.url, "adm")
+    page = dashboard.get("/dashboard/episodes/ep-guess").text
+    assert "alpha-own" in page and "beta-was-here" not in page
+    with_feedback = dashboard.get("/dashboard/episodes", params={"feedback": "yes"}).text
+    assert "ep-guess" in with_feedback and "ep-other" not in with_feedback
+    assert "ep-other" in dashboard.get("/dashboard/episodes", params={"feedback": "no"}).text
+    dashboard.close()
