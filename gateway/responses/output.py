@@ -68,11 +68,12 @@ def response_id(call_id: str) -> str:
 
 
 def call_id_of(item_or_response_id: str) -> str | None:
-    """The call id inside a response id (`resp_<id>`) or an output item id (`msg_<id>`, `fc_<id>_<n>`)."""
+    """The call id inside a response id (`resp_<id>`), an output item id (`msg_<id>`, `fc_<id>_<n>`) or the id
+    of an input item the client gave none (`in_<id>_<n>`)."""
     prefix, _, rest = item_or_response_id.partition("_")
     if prefix in ("resp", "msg"):
         return rest or None
-    if prefix == "fc":
+    if prefix in ("fc", "in"):
         call, _, position = rest.rpartition("_")
         return call if call and position.isdigit() else None
     return None

@@ -685,6 +685,13 @@ def test_item_references_and_no_log(
     missing = f"fc_{'0' * 32}_0"
     with refused_with("item_not_found"):
         client.responses.create(model="scripted-1", input=[{"type": "item_reference", "id": missing}])
+    # An input item, by the id `input_items` lists for it (one the gateway made: the client sent none).
+    [listed] = client.responses.input_items.list(first.id).data
+    assert listed.id.startswith("in_")
+    again = client.responses.create(model="scripted-1", input=[{"type": "item_reference", "id": listed.id}])
+    sent = upstream.requests[-1].body["messages"]
+    assert sent == [{"role": "user", "content": [{"type": "text", "text": "#tool"}]}]
+    assert again.status == "completed"
 
     # X-Kaizen-No-Log: served, stored nowhere but this replica's memory, so the chain still works here.
     quiet = sdk(gw, **{"X-Kaizen-No-Log": "true"})
@@ -693,8 +700,8 @@ def test_item_references_and_no_log(
     follow = quiet.responses.create(model="scripted-1", input="more", previous_response_id=hidden.id)
     assert follow.output_text == "echo: more"
     gw.flush()
-    assert len(rows(database_url, "SELECT id FROM responses")) == 2  # the two tool calls' responses only
-    assert len(calls(gw, database_url)) == 2
+    assert len(rows(database_url, "SELECT id FROM responses")) == 3  # the logged creates' responses only
+    assert len(calls(gw, database_url)) == 3
 
 
 def test_another_projects_responses_are_not_found(make_gateway: MakeGateway, database_url: str) -> None:
