@@ -30,33 +30,51 @@ _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
 
-def _error_message(body: bytes) -> str:
+def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of an engine's error body; `param` and `code` only where they are strings
+    (vLLM's code is the integer status)."""
     try:
         payload = _decode(body)
     except msgspec.DecodeError:
-        return body[:500].decode("utf-8", "replace") or "no error message"
+        return body[:500].decode("utf-8", "replace") or "no error message", None, None
     if isinstance(payload, dict):
         error = payload.get("error", payload)
         if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
+            param, code = error.get("param"), error.get("code")
+            return (
+                str(error["message"]),
+                param if isinstance(param, str) else None,
+                code if isinstance(code, str) else None,
+            )
         if isinstance(payload.get("detail"), str):
-            return str(payload["detail"])
+            return str(payload["detail"]), None, None
         if isinstance(error, str):
-            return error
-    return str(payload)[:500]
+            return error, None, None
+    return str(payload)[:500], None, None
 
 
 def map_status(status: int, body: bytes, retry_after: str | None = None) -> APIError:
-    """Map an engine's error status to the error the gateway answers with (4xx relayed, 5xx → 502)."""
-    message = _error_message(body)
+    """Map an engine's error status to the error the gateway answers with: 4xx relayed with their status and
+    `param` (the SDKs choose their exception by status), 5xx -> 502. A 401 or 403 refuses the gateway's own
+    upstream key, not the client's, so it is a 502 too."""
+    message, param, code = _error_fields(body)
     if status == 429:
         return APIError(message, status_code=429, code="rate_limit_exceeded", retry_after=_float(retry_after))
     if status == 503:
         return EngineUnavailable(
             f"the engine is unavailable: {message}", retry_after=_float(retry_after) or 5.0
         )
+    if status in (401, 403):
+        return EngineError(
+            f"the engine refused the gateway's credentials ({status}): {message}", code="engine_auth_failed"
+        )
     if 400 <= status < 500:
-        return InvalidRequest(f"the engine rejected the request: {message}", code=f"engine_{status}")
+        return InvalidRequest(
+            f"the engine rejected the request: {message}",
+            param=param,
+            code=code or f"engine_{status}",
+            status_code=status,
+        )
     return EngineError(f"the engine failed ({status}): {message}", code="engine_error")
 
 
