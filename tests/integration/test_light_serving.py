@@ -32,7 +32,8 @@ _SERVE = textwrap.dedent(
     async def serve() -> dict:
         settings = Settings.load(None)
         await upgrade_database(settings.database_url)
-        async with AsyncTestClient(create_app(build_services(settings))) as client:
+        # An open gateway answers loopback host names only (not the test client's `testserver.local`).
+        async with AsyncTestClient(create_app(build_services(settings)), base_url="http://localhost") as client:
             ready = await client.get("/readyz")
             chat = await client.post(
                 "/v1/chat/completions",

@@ -200,7 +200,8 @@ _SERVE = textwrap.dedent(
     async def serve() -> int:
         settings = Settings.load(None)
         await upgrade_database(settings.database_url)
-        async with AsyncTestClient(create_app(build_services(settings))) as client:
+        # An open gateway answers loopback host names only (not the test client's `testserver.local`).
+        async with AsyncTestClient(create_app(build_services(settings)), base_url="http://localhost") as client:
             reply = await client.post(
                 "/v1/chat/completions", json={"model": "scripted-1", "messages": [{"role": "user", "content": "a"}]}
             )
