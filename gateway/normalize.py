@@ -36,6 +36,8 @@ from gateway.protocol import (
 )
 
 _FINISH_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+# A reasoning parser's output beside the content, under either name engines use for it; relayed as sent.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 def _finish_reason(value: Any, *, has_tool_calls: bool) -> FinishReason:
@@ -159,6 +161,9 @@ def normalize_completion(
         )
         if tool_calls:
             reply.tool_calls = tool_calls
+        reasoning = {name: message[name] for name in REASONING_FIELDS if isinstance(message.get(name), str)}
+        for name, text in reasoning.items():
+            setattr(reply, name, text)
         index = _index(item, position)
         logprobs = item.get("logprobs")
         choices.append(Choice(index, reply, finish, _client_logprobs(logprobs) if keep_logprobs else None))
@@ -173,6 +178,7 @@ def normalize_completion(
                     "content": reply.content,
                     **({"refusal": reply.refusal} if reply.refusal is not None else {}),
                     **({"tool_calls": [_tool_call_dict(c) for c in tool_calls]} if tool_calls else {}),
+                    **reasoning,
                 },
                 "finish_reason": finish,
             }
@@ -219,6 +225,7 @@ def _usage_dict(usage: Usage | None) -> dict[str, Any] | None:
 class _ChoiceState:
     content: list[str] = field(default_factory=list)
     refusal: list[str] = field(default_factory=list)
+    reasoning: dict[str, list[str]] = field(default_factory=dict)  # by the engine's name for it
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -289,6 +296,11 @@ class StreamAssembler(_ChunkReader[_ChoiceState]):
         if isinstance(refusal, str):
             delta.refusal = refusal
             state.refusal.append(refusal)
+        for name in REASONING_FIELDS:
+            text = raw_delta.get(name)
+            if isinstance(text, str):
+                setattr(delta, name, text)
+                state.reasoning.setdefault(name, []).append(text)
         chunks = self._tool_call_chunks(state, raw_delta.get("tool_calls"))
         if chunks:
             delta.tool_calls = chunks
@@ -334,7 +346,7 @@ class StreamAssembler(_ChunkReader[_ChoiceState]):
 
     @property
     def output_seen(self) -> bool:
-        return any(s.content or s.refusal or s.tool_calls for s in self.choices.values())
+        return any(s.content or s.refusal or s.tool_calls or s.reasoning for s in self.choices.values())
 
     def captured(self) -> Captured:
         """The reply as assembled so far (complete after the last chunk, partial after a disconnect)."""
@@ -344,6 +356,8 @@ class StreamAssembler(_ChunkReader[_ChoiceState]):
             message: dict[str, Any] = {"role": "assistant", "content": "".join(state.content) or None}
             if state.refusal:
                 message["refusal"] = "".join(state.refusal)
+            for name, parts in state.reasoning.items():
+                message[name] = "".join(parts)
             if state.tool_calls:
                 message["tool_calls"] = [
                     {

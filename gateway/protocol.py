@@ -369,6 +369,10 @@ class ResponseMessage(Struct):
     refusal: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ResponseToolCall] | UnsetType = UNSET
+    # Not in the spec: a reasoning parser's output, under the name the engine used (vLLM `reasoning`; DeepSeek's
+    # API and older vLLM `reasoning_content`).
+    reasoning: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
@@ -416,6 +420,8 @@ class Delta(Struct):
     content: str | UnsetType | None = UNSET
     refusal: str | UnsetType | None = UNSET
     tool_calls: list[ToolCallChunk] | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET  # not in the spec, as on `ResponseMessage`
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChunkChoice(Struct):

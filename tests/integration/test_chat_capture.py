@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,7 +13,7 @@ import pytest
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
-from tests.support.scripted_upstream import REFUSAL, ScriptedUpstream, text_token_ids
+from tests.support.scripted_upstream import REFUSAL, THOUGHT, ScriptedUpstream, text_token_ids
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -400,3 +401,39 @@ def test_a_value_the_call_row_cannot_hold_is_refused_before_serving(
     answered = httpx.post(gw.url + path, json={"model": "scripted-1", **fine, "user": "u" * 256}, timeout=30)
     assert answered.status_code == 200, answered.text
     assert [row["user"] for row in calls(gw, database_url)] == ["u" * 256]
+
+
+@pytest.mark.parametrize("vllm_quirks", [True, False], ids=["vllm-reasoning", "reasoning_content"])
+def test_a_reasoning_models_reasoning_reaches_the_client_and_the_capture(
+    make_gateway: MakeGateway, tmp_path: Path, vllm_quirks: bool
+) -> None:
+    # vLLM's reasoning parsers answer `reasoning` beside the content (DeepSeek's API and older vLLM
+    # `reasoning_content`); apps that show or keep the model's thinking read it from there.
+    field = "reasoning" if vllm_quirks else "reasoning_content"
+    url = f"sqlite:///{tmp_path / 'think.db'}"
+    with ScriptedUpstream(vllm_quirks=vllm_quirks) as engine:
+        gw = make_gateway(url, upstream_url=engine.url)
+        sdk = client(gw)
+        messages = [{"role": "user", "content": "#think hi"}]
+        raw = sdk.chat.completions.with_raw_response.create(model="scripted-1", messages=messages)  # type: ignore[arg-type]
+        validate("CreateChatCompletionResponse", raw.http_response.json())
+        message = raw.parse().choices[0].message
+        assert (message.content, getattr(message, field)) == ("echo: #think hi", THOUGHT)
+        # The follow-up turn sends the reply back as the SDK returned it, thinking included.
+        follow_up = sdk.chat.completions.with_raw_response.create(
+            model="scripted-1",
+            messages=[*messages, message.model_dump(exclude_none=True), {"role": "user", "content": "more"}],  # type: ignore[list-item]
+        )
+        assert follow_up.headers["x-episode-id"] == raw.headers["x-episode-id"]
+        thought, content = "", ""
+        for chunk in sdk.chat.completions.create(model="scripted-1", messages=messages, stream=True):  # type: ignore[arg-type]
+            validate("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+            for choice in chunk.choices:
+                thought += getattr(choice.delta, field, None) or ""
+                content += choice.delta.content or ""
+        assert (thought, content) == (THOUGHT, "echo: #think hi")
+        rows = calls(gw, url)
+    stored = [row["response"]["choices"][0]["message"] for row in rows]  # type: ignore[index]
+    assert [m.get(field) for m in stored] == [THOUGHT, None, THOUGHT]
+    episode = httpx.get(f"{gw.url}/v1/episodes/{raw.headers['x-episode-id']}", timeout=10).json()
+    assert episode["messages"][1][field] == THOUGHT

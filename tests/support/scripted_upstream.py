@@ -7,6 +7,8 @@ behaviour in the request itself and needs no mocks:
 - ``#tool`` / ``#tools2``: one / two parallel ``get_weather`` tool calls, finish_reason ``tool_calls``;
 - ``#json TEXT``: the content is TEXT (words joined by single spaces), e.g. a JSON object for structured output;
 - ``#refuse``: no content but a ``refusal`` (streamed as refusal deltas), as OpenAI's models refuse;
+- ``#think``: the text answer comes after a reasoning text (``THOUGHT``), as a reasoning parser returns it:
+  ``reasoning`` in the message and in deltas before the content (vLLM), ``reasoning_content`` otherwise (DeepSeek);
 - ``#agent N``: an agent loop of N turns: while fewer than N tool results follow the last user message, one
   ``get_weather`` call (a new city each turn); then the content ``"done: <the tool results>"``;
 - ``#long N``: N words (``w0 w1 ...``) so streams have many chunks;
@@ -72,12 +74,13 @@ VOCAB_SIZE: Final = 50_000
 MAX_CHOICES: Final = 16
 MAX_TOP_LOGPROBS: Final = 20
 
-_DIRECTIVE = re.compile(r"#(tools2|tool|agent|long|slow|error|garbage|hang|refuse)\b(?:\s+(\d+))?")
+_DIRECTIVE = re.compile(r"#(tools2|tool|agent|long|slow|error|garbage|hang|refuse|think)\b(?:\s+(\d+))?")
 _JSON_HEADERS: Final = {"Content-Type": "application/json"}
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE: Final = b"data: [DONE]\n\n"
 _TOOL_ARGUMENTS: Final = ('{"city": "Paris"}', '{"city": "London"}')
 REFUSAL: Final = "I can't help with that."
+THOUGHT: Final = "The user wants an echo, so I repeat the words."
 _AGENT_CITIES: Final = ("Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo")
 
 _encode = msgspec.json.Encoder().encode
@@ -114,13 +117,14 @@ class Script:
     json_text: str | None = None
     refuse: bool = False
     agent_turns: int = 0
+    think: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
 def parse_script(text: str) -> Script:
     """Read the directives out of a user message; cached because benchmarks repeat one message."""
     tool_calls, long_words, slow_ms, error_status, agent_turns = 0, None, 0, None, 0
-    garbage = hang = refuse = False
+    garbage = hang = refuse = think = False
     for name, arg in _DIRECTIVE.findall(text):
         number = int(arg) if arg else None
         if name == "tool":
@@ -139,6 +143,8 @@ def parse_script(text: str) -> Script:
             garbage = True
         elif name == "refuse":
             refuse = True
+        elif name == "think":
+            think = True
         else:
             hang = True
     _, json_directive, json_text = text.partition("#json ")
@@ -152,6 +158,7 @@ def parse_script(text: str) -> Script:
         json_text=json_text if json_directive else None,
         refuse=refuse,
         agent_turns=agent_turns,
+        think=think,
     )
 
 
@@ -165,6 +172,7 @@ class Generation:
     tool_calls: tuple[tuple[str, str], ...]  # (function name, JSON arguments)
     finish_reason: str
     refusal: str | None = None  # the pieces are the refusal's, not content
+    reasoning: str | None = None  # sent before the content (a scripted simplification: it has no tokens)
 
 
 def _tokenise(words: Sequence[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -233,7 +241,8 @@ def generate(
         if max_tokens is not None and len(words) > max_tokens:
             words, finish = words[:max_tokens], "length"
         pieces, ids = _tokenise(words)
-        outputs.append(Generation(pieces, ids, "".join(pieces), (), finish))
+        reasoning = THOUGHT if script.think and not plan.after_tool else None
+        outputs.append(Generation(pieces, ids, "".join(pieces), (), finish, reasoning=reasoning))
     return tuple(outputs)
 
 
@@ -447,6 +456,11 @@ class _Responder:
         )
         self.prompt_ids = text_token_ids(req.prompt_text)
 
+    @property
+    def reasoning_field(self) -> str:
+        """vLLM's name for a reasoning parser's output, or the one DeepSeek's API (and older vLLM) use."""
+        return "reasoning" if self.quirks else "reasoning_content"
+
     def tool_call_id(self, choice: int, k: int) -> str:
         return (
             f"chatcmpl-tool-{self.seq:08x}{choice:02x}{k:02x}"
@@ -491,8 +505,11 @@ class _Responder:
                 "logprobs": self.logprobs(gen, 0, len(gen.pieces)),
                 "finish_reason": gen.finish_reason,
             }
+            if gen.reasoning is not None:
+                message[self.reasoning_field] = gen.reasoning
             if self.quirks:
-                message |= {"annotations": None, "audio": None, "function_call": None, "reasoning": None}
+                message |= {"annotations": None, "audio": None, "function_call": None}
+                message.setdefault("reasoning", None)
                 choice |= {
                     "stop_reason": None,
                     "token_ids": list(gen.token_ids) if self.req.return_token_ids else None,
@@ -534,7 +551,8 @@ class _Responder:
         if gen.refusal is not None:
             return [{"refusal": piece} for piece in gen.pieces]
         if not gen.tool_calls:
-            return [{"content": piece} for piece in gen.pieces]
+            thinking = [{self.reasoning_field: word} for word in _tokenise((gen.reasoning or "").split())[0]]
+            return [*thinking, *({"content": piece} for piece in gen.pieces)]
         deltas: list[dict[str, Any]] = []
         for k, (name, args) in enumerate(gen.tool_calls):
             half = len(args) // 2
