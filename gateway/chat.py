@@ -42,7 +42,7 @@ from gateway.routing import ModelRouter, Route
 from gateway.tracing import TRACE_HEADERS, CallTracer
 from storage.calls import find_stitched_episode, recent_stitch_keys
 from storage.database import Database
-from storage.models import EPISODE_SOURCE_TRAFFIC
+from storage.models import EPISODE_SOURCE_TRAFFIC, GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord, ResponseRecord
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ _encode = msgspec.json.Encoder().encode
 _PATH = re.compile(r"at `\$\.?(.*)`$")
 # `X-Kaizen-Source`: what a tool that sends calls on purpose (not an app's traffic) names its episodes.
 _SOURCE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
-_MAX_GROUP_KEY = 256  # the length of `episodes.group_key` and `calls.group_key`
-_MAX_USER = 256  # the length of `calls.user`
 _DONE = b"data: [DONE]\n\n"
 # Request fields stored under their own keys; everything else is kept under `params`.
 _STORED_PARAMS = ("messages", "tools", "tool_choice")
@@ -577,7 +575,10 @@ def check_stored_fields(user: object, group_key: object) -> None:
     """Refuse, before the engine is called, a `user` or group key the `calls` row cannot hold: they are stored
     in bounded text columns, which on PostgreSQL take no NUL and nothing longer than the column (the writer
     would have to drop the call that was answered). Content and metadata are JSON, stored losslessly."""
-    for param, value, limit in (("user", user, _MAX_USER), ("metadata.group_key", group_key, _MAX_GROUP_KEY)):
+    for param, value, limit in (
+        ("user", user, USER_LENGTH),
+        ("metadata.group_key", group_key, GROUP_KEY_LENGTH),
+    ):
         if isinstance(value, str) and ("\x00" in value or len(value) > limit):
             raise InvalidRequest(
                 f"{param} must be at most {limit} characters, without NUL characters",
@@ -590,9 +591,9 @@ def _group_key(value: str | None) -> str | None:
     """`X-Kaizen-Group-Key`, for clients that set headers more easily than `metadata` (agent frameworks)."""
     if value is None:
         return None
-    if not 0 < len(value) <= _MAX_GROUP_KEY or "\x00" in value:
+    if not 0 < len(value) <= GROUP_KEY_LENGTH or "\x00" in value:
         raise InvalidRequest(
-            f"X-Kaizen-Group-Key must be 1-{_MAX_GROUP_KEY} characters without NUL",
+            f"X-Kaizen-Group-Key must be 1-{GROUP_KEY_LENGTH} characters without NUL",
             code="invalid_group_key",
         )
     return value

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from gateway.keyfile import generated_key
+from storage.models import GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord
 from trainer.policy_config import PrivacyConfig
 
@@ -286,7 +287,10 @@ def redact_call(record: CallRecord, redactor: Redactor) -> CallRecord:
         completion_token_ids=completion_ids,
         completion_logprobs=completion_logprobs,
         error=redactor.value(record.error),
-        user=redactor.text(record.user) if record.user else record.user,
-        group_key=redactor.text(record.group_key) if record.group_key else record.group_key,
+        # A hashed value can be longer than the one it replaces: kept within the columns the gateway checked.
+        user=redactor.text(record.user)[:USER_LENGTH] if record.user else record.user,
+        group_key=redactor.text(record.group_key)[:GROUP_KEY_LENGTH]
+        if record.group_key
+        else record.group_key,
         episode_metadata=metadata,
     )

@@ -27,12 +27,12 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.redaction import Redactor
 from storage.database import Database
+from storage.models import POLICY_NAME_LENGTH
 from storage.policies import list_adapters, list_policies
 from trainer.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
 
-MAX_POLICY_NAME = 128  # the length of the `policy` columns calls are stored under
 _PINNED = re.compile(r"^(?P<policy>.+)@(?P<version>\d+)$")
 
 
@@ -122,10 +122,10 @@ class ModelRouter:
             return self._adapter_route(pinned["policy"], version, state)
         if model in self.engine_models or (not self.engine_models and self.database is None):
             # An engine that could not list its models yet decides for itself.
-            if len(model) > MAX_POLICY_NAME or "\x00" in model:
+            if len(model) > POLICY_NAME_LENGTH or "\x00" in model:
                 # Its calls are stored under the model's name as their policy, a bounded text column.
                 raise InvalidRequest(
-                    f"A model name of more than {MAX_POLICY_NAME} characters, or with NUL characters, "
+                    f"A model name of more than {POLICY_NAME_LENGTH} characters, or with NUL characters, "
                     "cannot be captured; serve the model under a shorter name.",
                     param="model",
                     code="invalid_value",

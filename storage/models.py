@@ -25,6 +25,11 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DEFAULT_PROJECT = "default"
+# Lengths of the text columns a call is stored by, which the gateway checks before it serves the call: on
+# PostgreSQL a longer value would make the capture writer drop the answered call.
+POLICY_NAME_LENGTH = 128
+GROUP_KEY_LENGTH = 256
+USER_LENGTH = 256
 """The project of the environment's keys, and of everything captured before projects existed."""
 EPISODE_SOURCE_TRAFFIC = "traffic"
 """The source of an episode made of calls through the gateway; tools that write episodes name their own."""
@@ -79,8 +84,8 @@ class Episode(Base):
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    policy: Mapped[str | None] = mapped_column(String(128), index=True)
-    group_key: Mapped[str | None] = mapped_column(String(256), index=True)
+    policy: Mapped[str | None] = mapped_column(String(POLICY_NAME_LENGTH), index=True)
+    group_key: Mapped[str | None] = mapped_column(String(GROUP_KEY_LENGTH), index=True)
     # The project of the key that created it: only keys of that project (and admin keys) see or reward it.
     project: Mapped[str] = mapped_column(
         String(128), default=DEFAULT_PROJECT, server_default=DEFAULT_PROJECT, index=True
@@ -119,7 +124,7 @@ class Call(Base):
     client_request_id: Mapped[str | None] = mapped_column(String(64), index=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
     position: Mapped[int] = mapped_column(Integer)
-    policy: Mapped[str | None] = mapped_column(String(128), index=True)
+    policy: Mapped[str | None] = mapped_column(String(POLICY_NAME_LENGTH), index=True)
     model: Mapped[str] = mapped_column(String(256))
     adapter_version: Mapped[int | None] = mapped_column(Integer)
     engine_model: Mapped[str | None] = mapped_column(String(256))
@@ -137,8 +142,8 @@ class Call(Base):
     status: Mapped[str] = mapped_column(String(32), index=True)  # ok | error | client_disconnected
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     context_hash: Mapped[str | None] = mapped_column(String(32), index=True)
-    group_key: Mapped[str | None] = mapped_column(String(256), index=True)
-    user: Mapped[str | None] = mapped_column(String(256))
+    group_key: Mapped[str | None] = mapped_column(String(GROUP_KEY_LENGTH), index=True)
+    user: Mapped[str | None] = mapped_column(String(USER_LENGTH))
     key_id: Mapped[str | None] = mapped_column(String(64))  # the API key that sent it (`env` for env keys)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
@@ -198,7 +203,7 @@ class JudgeGroup(Base):
     __tablename__ = "judge_groups"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    policy: Mapped[str | None] = mapped_column(String(128), index=True)
+    policy: Mapped[str | None] = mapped_column(String(POLICY_NAME_LENGTH), index=True)
     group_key: Mapped[str] = mapped_column(String(256))
     episode_ids: Mapped[list[Any]] = mapped_column()
     scorer: Mapped[str] = mapped_column(String(16))  # judge | function | webhook

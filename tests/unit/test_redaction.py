@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.redaction import Redactor, iban_valid, load_redaction_key, luhn_valid, redact_call
+from storage.models import GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord
 from trainer.policy_config import InvalidPolicyConfig, PrivacyConfig, load_policy_config
 
@@ -140,6 +141,26 @@ def test_record_drops_the_token_ids_of_redacted_text() -> None:
     assert stored.user == stored.group_key == "[EMAIL]"
     assert stored.episode_metadata == {"contact": "[EMAIL]", "n": 3}
     assert record.request["messages"][0]["content"] == "mail a@b.io"  # what the app got is untouched
+
+
+def test_a_hashed_user_or_group_key_stays_within_its_column() -> None:
+    # `[IP:1a2b3c4d]` is longer than `1.2.3.4`: a user the gateway let through at 256 characters could come
+    # out of hashing longer than `calls.user` holds.
+    near_limit = ("1.2.3.4 " * 32)[:USER_LENGTH]
+    record = CallRecord(
+        id="c1",
+        episode_id="e1",
+        episode_resolved=True,
+        model="m",
+        request={"messages": []},
+        user=near_limit,
+        group_key=near_limit,
+        created_at=0.0,
+    )
+    stored = redact_call(record, Redactor(PrivacyConfig(mode="hash"), b"k", policy="p"))
+    assert stored.user is not None and stored.group_key is not None
+    assert stored.user.startswith("[IP:") and len(stored.user) == USER_LENGTH
+    assert len(stored.group_key) == GROUP_KEY_LENGTH
 
 
 def test_generated_key_is_kept_and_a_configured_one_wins(tmp_path: Path) -> None:

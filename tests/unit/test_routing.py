@@ -8,8 +8,9 @@ import pytest
 
 from gateway.engines.upstream import UpstreamEngine
 from gateway.errors import InvalidRequest
-from gateway.routing import MAX_POLICY_NAME, ModelRouter
+from gateway.routing import ModelRouter
 from gateway.settings import Settings
+from storage.models import POLICY_NAME_LENGTH
 
 
 def test_an_engine_model_whose_name_cannot_be_stored_is_refused(tmp_path: Path) -> None:
@@ -17,7 +18,7 @@ def test_an_engine_model_whose_name_cannot_be_stored_is_refused(tmp_path: Path) 
     # with a long served name (a path, say) would have every answered call dropped by the writer.
     settings = Settings.load(data_dir=tmp_path, engine="upstream", upstream_url="http://127.0.0.1:9/v1")
     router = ModelRouter(UpstreamEngine(settings), 60.0)
-    fits, too_long = "m" * MAX_POLICY_NAME, "m" * (MAX_POLICY_NAME + 1)
+    fits, too_long = "m" * POLICY_NAME_LENGTH, "m" * (POLICY_NAME_LENGTH + 1)
     router.engine_models = {fits, too_long, "with\u0000nul"}
     assert router.resolve(fits).policy == fits
     for name in (too_long, "with\u0000nul"):
