@@ -130,6 +130,8 @@ class PoliciesController(Controller):
 
 async def promote_version(session: AsyncSession, actor: str, name: str, version: int) -> PolicyView:
     """Promote `version` of policy `name`, audited as `actor` (the admin API and the dashboard)."""
+    if await get_policy(session, name) is None:
+        raise _no_policy(name)
     # Added first: `promote` commits, and a refusal rolls the entry back with the session.
     await record_audit(session, actor, "policy.promote", name, {"version": version})
     try:
@@ -143,12 +145,14 @@ async def promote_version(session: AsyncSession, actor: str, name: str, version:
 async def roll_back(session: AsyncSession, actor: str, name: str) -> PolicyView:
     """Re-activate the version active before the current one, audited as `actor`."""
     current = await get_policy(session, name)
+    if current is None:
+        raise _no_policy(name)
     await record_audit(
         session,
         actor,
         "policy.rollback",
         name,
-        {"from_version": current.active_version if current else None},
+        {"from_version": current.active_version},
     )
     try:
         await rollback(session, name)
@@ -156,3 +160,7 @@ async def roll_back(session: AsyncSession, actor: str, name: str) -> PolicyView:
         raise NotFound(str(exc), param="name", code="no_previous_version") from exc
     [view] = await _view(session, name)
     return view
+
+
+def _no_policy(name: str) -> NotFound:
+    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")

@@ -58,6 +58,13 @@ def test_promote_and_rollback_over_the_admin_api(make_gateway: MakeGateway, data
     missing = httpx.post(gw.url + "/admin/policies/bot/promote", json={"version": 9}, headers=admin)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "version_not_found"
+    for action, body in (("promote", {"version": 1}), ("rollback", None)):
+        unknown = httpx.post(f"{gw.url}/admin/policies/nobody/{action}", json=body, headers=admin)
+        assert unknown.status_code == 404
+        assert (unknown.json()["error"]["code"], unknown.json()["error"]["param"]) == (
+            "policy_not_found",
+            "name",
+        )
     listed = httpx.get(gw.url + "/admin/policies", headers=admin).json()
     assert [(p["name"], [v["version"] for v in p["versions"]]) for p in listed] == [("bot", [0, 1, 2])]
 
