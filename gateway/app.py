@@ -19,7 +19,6 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, LoginThrottle
-from gateway.body_depth import json_depth_limit
 from gateway.capture import CaptureSink
 from gateway.chat import ChatService
 from gateway.completions import RelayService
@@ -465,7 +464,6 @@ def create_app(services: Services) -> Litestar:
             *([count_responses(services.metrics.calls)] if services.metrics is not None else []),
             loopback_hosts_only(settings, services.keys),
             json_bodies_only,
-            json_depth_limit(settings.max_body_bytes),
         ],
         cors_config=cors_config(settings),
         request_max_body_size=settings.max_body_bytes,

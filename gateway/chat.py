@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from gateway.auth import Principal
+from gateway.body_depth import refuse_too_deep
 from gateway.capture import CaptureSink
 from gateway.engines.base import Engine, EngineStream, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
@@ -305,6 +306,7 @@ class ChatService:
             raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
+        refuse_too_deep(body, raw_body)
         return body
 
     def prepare_body(
@@ -555,7 +557,7 @@ class ChatService:
             else None,
             context_hash=ctx.hashes.context_hash,
             group_key=ctx.group_key,
-            user=request.user,
+            user=stored_user(request.user),
             episode_metadata=dict(request.metadata or {}),
             key_id=ctx.principal.key_id,
             project=ctx.principal.project,
@@ -574,17 +576,22 @@ class ChatService:
 def check_stored_fields(user: object, group_key: object) -> None:
     """Refuse, before the engine is called, a `user` or group key the `calls` row cannot hold: they are stored
     in bounded text columns, which on PostgreSQL take no NUL and nothing longer than the column (the writer
-    would have to drop the call that was answered). Content and metadata are JSON, stored losslessly."""
-    for param, value, limit in (
-        ("user", user, USER_LENGTH),
-        ("metadata.group_key", group_key, GROUP_KEY_LENGTH),
-    ):
-        if isinstance(value, str) and ("\x00" in value or len(value) > limit):
-            raise InvalidRequest(
-                f"{param} must be at most {limit} characters, without NUL characters",
-                param=param,
-                code="invalid_value",
-            )
+    would have to drop the call that was answered). A longer `user` (the spec sets no limit) is served and
+    kept to its first `USER_LENGTH` characters instead (`stored_user`); a group key is Kaizen's own, and
+    documented as at most `GROUP_KEY_LENGTH`. Content and metadata are JSON, stored losslessly."""
+    if isinstance(user, str) and "\x00" in user:
+        raise InvalidRequest("user must not contain NUL characters", param="user", code="invalid_value")
+    if isinstance(group_key, str) and ("\x00" in group_key or len(group_key) > GROUP_KEY_LENGTH):
+        raise InvalidRequest(
+            f"metadata.group_key must be at most {GROUP_KEY_LENGTH} characters, without NUL characters",
+            param="metadata.group_key",
+            code="invalid_value",
+        )
+
+
+def stored_user(user: object) -> str | None:
+    """The `user` a calls row keeps: the first `USER_LENGTH` characters of the request's."""
+    return user[:USER_LENGTH] if isinstance(user, str) else None
 
 
 def _group_key(value: str | None) -> str | None:

@@ -19,7 +19,7 @@ import msgspec
 
 from gateway.auth import Principal
 from gateway.capture import CaptureSink
-from gateway.chat import ChatService, check_stored_fields, relay_events, validation_error
+from gateway.chat import ChatService, check_stored_fields, relay_events, stored_user, validation_error
 from gateway.engines.base import Engine, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PermissionDenied
@@ -285,7 +285,7 @@ class RelayService:
             else None,
             context_hash=ctx.context_hash,
             group_key=metadata.get("group_key") if metadata else None,
-            user=user if isinstance(user, str) else None,
+            user=stored_user(user),
             episode_metadata=dict(metadata or {}),
             key_id=ctx.principal.key_id,
             project=ctx.principal.project,

@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from gateway.body_depth import MAX_JSON_DEPTH, depth_exceeds
 from gateway.episodes import ConversationHashes
 from gateway.errors import APIError
 from gateway.feedback import to_number
@@ -101,6 +102,8 @@ def parse_line(line: bytes, feedback: FeedbackConfig) -> tuple[dict[str, Any], f
         raise ValueError(f"not JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError("a line must be a JSON object with `messages`")
+    if depth_exceeds(raw, MAX_JSON_DEPTH):  # as the gateway refuses such a body: it could not be stored
+        raise ValueError(f"the line is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
         parsed = msgspec.convert(raw, ImportLine)
     except msgspec.ValidationError as exc:

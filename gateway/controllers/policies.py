@@ -11,6 +11,7 @@ from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
+from gateway.body_depth import refuse_too_deep
 from gateway.controllers.params import PathName, PolicyName, Version
 from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import BaseModelUnavailable, create_policy_with_initial_adapter
@@ -84,6 +85,7 @@ class PoliciesController(Controller):
 
         The whole `config` is validated first: a 400 names every unknown key and bad value, nothing is written.
         """
+        refuse_too_deep({"config": data.config}, param="config")
         # Built in sessions of its own (the CLI shares it); a concurrent create of the same name loses on the
         # unique key and is answered 409 by the app.
         try:

@@ -13,6 +13,7 @@ from litestar.params import FromPath, FromQuery
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
+from gateway.body_depth import refuse_too_deep
 from gateway.controllers.params import PageLimit, PathName, RowId
 from gateway.errors import APIError, InvalidRequest, NotFound, invalid_policy_config
 from gateway.scheduling import Jobs
@@ -84,6 +85,7 @@ class RunsController(Controller):
                 body = msgspec.json.decode(raw, type=TrainBody)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise InvalidRequest(str(exc), code="invalid_value") from exc
+            refuse_too_deep({"overrides": body.overrides}, raw, param="overrides")
             policy = await get_policy(session, name)
             if policy is None:
                 raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
