@@ -201,20 +201,13 @@ class KeysUnavailable(APIError):
 KEYS_RETRY_AFTER_S = 2.0
 
 
-def found_or_unavailable(ring: KeyRing, authorization: str | None) -> Principal | None:
-    """The principal of this Authorization header; None for an unknown key once the keys are known, and
-    `KeysUnavailable` before they are."""
-    principal = ring.lookup(authorization)
-    if principal is None and not ring.loaded:
-        raise KeysUnavailable()
-    return principal
-
-
 def authenticate_client(ring: KeyRing, authorization: str | None, scope: str) -> Principal:
     """The principal of a /v1 request that needs `scope`: 401 without a known key, 403 without the scope, 503
     while the keys are unknown."""
-    principal = found_or_unavailable(ring, authorization)
+    principal = ring.lookup(authorization)
     if principal is None:
+        if not ring.loaded:
+            raise KeysUnavailable()
         if ring.open:
             return OPEN
         raise AuthenticationError(
@@ -241,11 +234,8 @@ def requires(scope: Scope) -> Guard:
                     "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
                 )
             throttle: LoginThrottle = connection.app.state.login_throttle
-            address = client_address(connection)
-            refuse_throttled(throttle, address)
-            found = found_or_unavailable(ring, authorization)
+            found = counted_lookup(ring, throttle, client_address(connection), authorization)
             if found is None:
-                throttle.failed(address)
                 raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
             principal = _with_scope(found, scope)
         else:
@@ -335,6 +325,23 @@ def refuse_throttled(throttle: LoginThrottle, address: str) -> None:
             code="too_many_failed_logins",
             retry_after=wait,
         )
+
+
+def counted_lookup(
+    ring: KeyRing, throttle: LoginThrottle, address: str, authorization: str | None
+) -> Principal | None:
+    """The principal of a key presented where the admin key opens the door (/admin, /metrics, the dashboard's
+    login): an address that failed too often is refused first, a key that is not known counts as a failure
+    (a request that presents none does not: a browser opening the URL, a scraper not set up yet), and
+    while the keys are unread the answer is 503, after the failure was counted."""
+    refuse_throttled(throttle, address)
+    found = ring.lookup(authorization)
+    if found is None:
+        if authorization is not None and authorization.startswith("Bearer ") and authorization[7:].strip():
+            throttle.failed(address)
+        if not ring.loaded:
+            raise KeysUnavailable()
+    return found
 
 
 def client_address(connection: ASGIConnection[Any, Any, Any, Any]) -> str:

@@ -44,7 +44,6 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gateway.auth import KeyRing
 from gateway.capture import CaptureSink
 from gateway.engines.base import Engine
 from gateway.exposure import is_loopback
@@ -386,18 +385,13 @@ class GatewayMetrics:
         self._store_read_at = -float("inf")
         self._store_lock = asyncio.Lock()
 
-    def allows(self, authorization: str | None, keys: KeyRing) -> bool:
-        """Whether a scrape with this Authorization header may read the metrics."""
-        if self.open:
-            return True
-        if (
+    def has_key(self, authorization: str | None) -> bool:
+        """Whether this Authorization header carries the metrics key (`KAIZEN_METRICS_KEY`)."""
+        return bool(
             self.key
             and authorization is not None
             and hmac.compare_digest(authorization.encode(), f"Bearer {self.key}".encode())
-        ):
-            return True
-        principal = keys.lookup(authorization)
-        return principal is not None and "admin" in principal.scopes
+        )
 
     async def refresh(self) -> None:
         """Gather what the scrape reports: the engine's health now, the database figures when stale."""

@@ -13,15 +13,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import (
-    KeyRing,
-    LoginThrottle,
-    client_address,
-    digest,
-    found_or_unavailable,
-    principal_of,
-    refuse_throttled,
-)
+from gateway.auth import KeyRing, LoginThrottle, client_address, counted_lookup, digest, principal_of
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, promote_version, roll_back
 from gateway.controllers.runs import ScheduleView, set_paused
@@ -78,10 +70,8 @@ class DashboardLogin(Controller):
         An address that failed too often is refused for a while, whatever key it sends."""
         throttle: LoginThrottle = request.app.state.login_throttle
         address = client_address(request)
-        refuse_throttled(throttle, address)
-        principal = found_or_unavailable(keys, f"Bearer {data.key}")
+        principal = counted_lookup(keys, throttle, address, f"Bearer {data.key}")
         if principal is None:
-            throttle.failed(address)
             raise AuthenticationError("Unknown or revoked key.", code="invalid_api_key")
         if "admin" not in principal.scopes:
             throttle.failed(address)

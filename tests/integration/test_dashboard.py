@@ -139,6 +139,10 @@ def test_guesses_at_the_admin_key_on_admin_routes_count_as_failed_logins(
         dashboard_login_window_s=2.0,
     )
     guesser = httpx.Client(base_url=gw.url)
+    # A request that presents no key is no guess (a browser opening the URL, a scraper not set up yet).
+    for _ in range(5):
+        assert guesser.get("/admin/audit").status_code == 401
+        assert guesser.get("/metrics").status_code == 401
     guesses = [
         guesser.get("/admin/audit", headers={"authorization": "Bearer guess-1"}),
         guesser.get("/metrics", headers={"authorization": "Bearer guess-2"}),

@@ -328,6 +328,14 @@ def test_a_gateway_that_could_not_read_its_keys_refuses_calls_until_it_has(
                     gw.url + "/v1/chat/completions", json=chat, headers=bearer(ADMIN_KEY), timeout=30
                 )
                 assert assert_openai_error(admin, 503)["code"] == "policies_unavailable"
+                # Guesses at the admin key meet the throttle meanwhile: unknown is not yet wrong, but it counts.
+                guesses = [
+                    httpx.get(gw.url + "/admin/audit", headers=bearer(f"guess-{i}"), timeout=30).status_code
+                    for i in range(5)
+                ]
+                assert guesses == [503] * 5
+                throttled = httpx.get(gw.url + "/admin/audit", headers=bearer(ADMIN_KEY), timeout=30)
+                assert assert_openai_error(throttled, 429)["code"] == "too_many_failed_logins"
                 ready = httpx.get(gw.url + "/readyz", timeout=30)
                 assert ready.status_code == 503
                 assert ready.json() == {
