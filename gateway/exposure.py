@@ -141,12 +141,14 @@ def json_bodies_only(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
-def _host_name(value: bytes) -> str:
-    """The name in a Host header, without its port, lower-case (`[::1]:8000` -> `[::1]`)."""
-    text = value.decode("latin-1").strip().lower()
+def _host_name(text: str) -> str:
+    """The name in a Host header (or an allowed host), without its port or a final dot, lower-case
+    (`[::1]:8000` -> `[::1]`, `Localhost.:80` -> `localhost`)."""
+    text = text.strip().lower()
     if text.startswith("["):
         return text.split("]", 1)[0] + "]"
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    name = text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+    return name[:-1] if name.endswith(".") else name
 
 
 def _loopback_name(name: str, allowed: frozenset[str]) -> bool:
@@ -158,14 +160,14 @@ def loopback_hosts_only(settings: Settings, keys: KeyRing) -> Callable[[ASGIApp]
     """ASGI middleware: while the gateway is open (no client key) on a loopback address, a request naming any
     other host is refused with an OpenAI-shaped 403 before a handler runs. A request without a Host header is
     no browser's and passes; once a key exists, the key is what keeps a rebinding page out."""
-    allowed = frozenset(host.lower() for host in settings.allowed_hosts)
+    allowed = frozenset(_host_name(host) for host in settings.allowed_hosts)
     guarded = is_loopback(settings.host)
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
             if guarded and scope["type"] == ScopeType.HTTP and keys.open:
                 host = next((value for name, value in scope["headers"] if name == b"host"), None)
-                if host is not None and not _loopback_name(_host_name(host), allowed):
+                if host is not None and not _loopback_name(_host_name(host.decode("latin-1")), allowed):
                     start: HTTPResponseStartEvent = {
                         "type": "http.response.start",
                         "status": 403,

@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import WEBHOOK, KeyRing, Principal, authenticate_client
+from gateway.body_depth import refuse_too_deep
 from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
@@ -39,6 +40,7 @@ from gateway.signing import Signature, SignatureError, verify
 from storage.calls import find_call
 from storage.database import Database
 from storage.episodes import episode_policy
+from storage.models import REWARD_NAME_LENGTH
 from storage.rewards import NewReward, RewardInfo, insert_rewards, link_pending, mark_orphans, oldest_unlinked
 from storage.rewards import rewards_by_key as stored_by_key
 from storage.signatures import forget_signatures, record_signature
@@ -55,7 +57,7 @@ class FeedbackItem(Struct, forbid_unknown_fields=True):
     value: bool | float | str
     request_id: Id | None = None
     episode_id: Id | None = None
-    name: Annotated[str, Meta(min_length=1, max_length=128)] = "user"
+    name: Annotated[str, Meta(min_length=1, max_length=REWARD_NAME_LENGTH)] = "user"
     comment: Annotated[str, Meta(max_length=10_000)] | None = None
     metadata: dict[str, Any] = {}
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
@@ -110,6 +112,7 @@ def decode_items(raw_body: bytes) -> tuple[list[FeedbackItem], bool]:
         raise InvalidRequest(
             'the body must be a JSON object: one item, or {"items": [...]}', code="invalid_json"
         )
+    refuse_too_deep(body, raw_body)
     batched = "items" in body
     try:
         items = (
@@ -251,7 +254,9 @@ class FeedbackService:
             if redactor is not None:
                 comment = redactor.text(comment) if comment else comment
                 metadata = redactor.value(metadata)
-                name = redactor.text(name)
+                name = redactor.text(name)[
+                    :REWARD_NAME_LENGTH
+                ]  # a hashed value can outgrow the one it replaces
             prepared.append(
                 NewReward(
                     source="feedback",

@@ -25,14 +25,17 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 DEFAULT_PROJECT = "default"
-# Lengths of the text columns a call is stored by, which the gateway checks before it serves the call: on
-# PostgreSQL a longer value would make the capture writer drop the answered call.
-POLICY_NAME_LENGTH = 128
-GROUP_KEY_LENGTH = 256
-USER_LENGTH = 256
 """The project of the environment's keys, and of everything captured before projects existed."""
 EPISODE_SOURCE_TRAFFIC = "traffic"
 """The source of an episode made of calls through the gateway; tools that write episodes name their own."""
+
+# Lengths of the text columns that hold what a request names, which the gateway checks (or keeps values
+# within) before it stores them: on PostgreSQL a longer value is refused, and the capture writer would have
+# to drop a call that was answered.
+POLICY_NAME_LENGTH = 128
+GROUP_KEY_LENGTH = 256
+USER_LENGTH = 256
+REWARD_NAME_LENGTH = 128
 
 
 def utcnow() -> datetime:
@@ -49,7 +52,7 @@ class Policy(Base):
     __tablename__ = "policies"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
+    name: Mapped[str] = mapped_column(String(POLICY_NAME_LENGTH), unique=True)
     base_model: Mapped[str] = mapped_column(String(512))
     active_version: Mapped[int | None] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -183,7 +186,7 @@ class Reward(Base):
     call_id: Mapped[str | None] = mapped_column(String(64), index=True)
     episode_id: Mapped[str | None] = mapped_column(String(64), index=True)
     source: Mapped[str] = mapped_column(String(16))  # feedback | judge | function | webhook
-    name: Mapped[str] = mapped_column(String(128), default="user")
+    name: Mapped[str] = mapped_column(String(REWARD_NAME_LENGTH), default="user")
     value: Mapped[float] = mapped_column(Float)
     label: Mapped[str | None] = mapped_column(String(128))
     comment: Mapped[str | None] = mapped_column(Text)

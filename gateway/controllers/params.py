@@ -8,6 +8,8 @@ from typing import Annotated
 import msgspec
 from litestar.params import Parameter
 
+from storage.models import POLICY_NAME_LENGTH
+
 # Row ids and versions are 64-bit signed integers in PostgreSQL and SQLite.
 ROW_ID_MAX = 2**63 - 1
 
@@ -24,5 +26,7 @@ PathName = Annotated[str, Parameter(min_length=1, max_length=256, pattern=r"^[^\
 """A name or id in a path (policy name, episode id): no control characters, which PostgreSQL cannot store
 or compare (a NUL byte fails inside the driver) and no real name contains."""
 
-PolicyName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f@/]+$")]
+PolicyName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=POLICY_NAME_LENGTH, pattern=r"^[^\x00-\x1f\x7f@/]+$")
+]
 """A new policy's name in a JSON body: it becomes a path segment, a directory and part of `policy@N`."""

@@ -164,7 +164,7 @@ def test_an_open_loopback_gateway_answers_only_loopback_host_names(
     # DNS rebinding: a page on attacker.example re-points its own name at 127.0.0.1, and the visitor's browser
     # then calls the gateway same-origin (no preflight, answers readable), naming attacker.example as the host.
     # A gateway without keys is only safe on loopback if it answers loopback names alone.
-    gw = make_gateway(f"sqlite:///{tmp_path / 'hosts.db'}", allowed_hosts=["gateway.local"])
+    gw = make_gateway(f"sqlite:///{tmp_path / 'hosts.db'}", allowed_hosts=["Gateway.local:8000", "[::2]"])
     body = {"model": "scripted-1", "messages": [{"role": "user", "content": "hi"}]}
     for host in ("attacker.example", f"attacker.example:{gw.port}", "127.0.0.1.attacker.example"):
         refused = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"host": host}, timeout=10)
@@ -172,7 +172,15 @@ def test_an_open_loopback_gateway_answers_only_loopback_host_names(
         assert refused.json()["error"]["code"] == "host_not_allowed"
         assert httpx.get(gw.url + "/v1/models", headers={"host": host}, timeout=10).status_code == 403
     assert query(f"sqlite:///{tmp_path / 'hosts.db'}", "SELECT count(*) AS n FROM calls")[0]["n"] == 0
-    for host in (f"127.0.0.1:{gw.port}", f"localhost:{gw.port}", "[::1]", "LOCALHOST", "gateway.local"):
+    for host in (
+        f"127.0.0.1:{gw.port}",
+        f"localhost:{gw.port}",
+        f"localhost.:{gw.port}",
+        "[::1]",
+        "LOCALHOST",
+        "gateway.local",  # a configured name, compared without its port
+        "[::2]:9",
+    ):
         served = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"host": host}, timeout=10)
         assert served.status_code == 200, (host, served.text)
     # With keys, a rebinding page has none to send: any host name is answered (a proxy's, say).
