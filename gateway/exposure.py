@@ -100,6 +100,18 @@ def _json_media_type(value: bytes) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
+async def _refuse(send: Send, status: int, body: bytes) -> None:
+    """Answer with an OpenAI-shaped error body before the app has seen the request."""
+    start: HTTPResponseStartEvent = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    end: HTTPResponseBodyEvent = {"type": "http.response.body", "body": body, "more_body": False}
+    await send(start)
+    await send(end)
+
+
 def json_bodies_only(app: ASGIApp) -> ASGIApp:
     """ASGI middleware: a POST/PUT/PATCH whose body is not declared JSON gets an OpenAI-shaped 415, unread.
 
@@ -120,21 +132,7 @@ def json_bodies_only(app: ASGIApp) -> ASGIApp:
             if (content_type is not None or has_body) and not (
                 content_type is not None and _json_media_type(content_type)
             ):
-                start: HTTPResponseStartEvent = {
-                    "type": "http.response.start",
-                    "status": 415,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(_UNSUPPORTED)).encode()),
-                    ],
-                }
-                body: HTTPResponseBodyEvent = {
-                    "type": "http.response.body",
-                    "body": _UNSUPPORTED,
-                    "more_body": False,
-                }
-                await send(start)
-                await send(body)
+                await _refuse(send, 415, _UNSUPPORTED)
                 return
         await app(scope, receive, send)
 
@@ -168,21 +166,7 @@ def loopback_hosts_only(settings: Settings, keys: KeyRing) -> Callable[[ASGIApp]
             if guarded and scope["type"] == ScopeType.HTTP and keys.open:
                 host = next((value for name, value in scope["headers"] if name == b"host"), None)
                 if host is not None and not _loopback_name(_host_name(host.decode("latin-1")), allowed):
-                    start: HTTPResponseStartEvent = {
-                        "type": "http.response.start",
-                        "status": 403,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(_HOST_NOT_ALLOWED)).encode()),
-                        ],
-                    }
-                    body: HTTPResponseBodyEvent = {
-                        "type": "http.response.body",
-                        "body": _HOST_NOT_ALLOWED,
-                        "more_body": False,
-                    }
-                    await send(start)
-                    await send(body)
+                    await _refuse(send, 403, _HOST_NOT_ALLOWED)
                     return
             await app(scope, receive, send)
 
