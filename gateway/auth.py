@@ -29,7 +29,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.errors import APIError, AuthenticationError, InvalidRequest, PermissionDenied
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, PermissionDenied, ServiceUnavailable
 from storage.database import Database
 from storage.keys import KeyInfo, insert_key, list_keys
 from storage.logouts import logged_out
@@ -183,22 +183,16 @@ class KeyRing:
                 await self._task
 
 
-class KeysUnavailable(APIError):
+class KeysUnavailable(ServiceUnavailable):
     """The managed keys have not been read yet (the database was unreachable since start-up): whether the
     request's key is valid cannot be told, so it is neither let in nor refused as invalid."""
-
-    status_code = 503
-    error_type = "api_error"
 
     def __init__(self) -> None:
         super().__init__(
             "The gateway has not read its API keys from the database yet; retry shortly.",
             code="keys_unavailable",
-            retry_after=KEYS_RETRY_AFTER_S,
+            retry_after=2.0,
         )
-
-
-KEYS_RETRY_AFTER_S = 2.0
 
 
 def authenticate_client(ring: KeyRing, authorization: str | None, scope: str) -> Principal:

@@ -82,6 +82,14 @@ class PayloadTooLarge(APIError):
     status_code = 413
 
 
+class ServiceUnavailable(APIError):
+    """What the request needs is not there for now (the database, or the keys and policies read from it): a
+    503 with `Retry-After`, never a 500."""
+
+    status_code = 503
+    error_type = "api_error"
+
+
 class EngineError(APIError):
     """The engine failed; the client gets a 5xx with the OpenAI shape, never a traceback."""
 

@@ -33,7 +33,7 @@ from gateway.auth import WEBHOOK, KeyRing, Principal, authenticate_client
 from gateway.body_depth import refuse_too_deep
 from gateway.capture import RecentTargets
 from gateway.episodes import valid_id
-from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound
+from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound, ServiceUnavailable
 from gateway.redaction import Redactor
 from gateway.responses.store import RESPONSE_ID
 from gateway.signing import Signature, SignatureError, verify
@@ -79,11 +79,6 @@ class StoredFeedback(Struct):
 class FeedbackResult(Struct):
     ids: list[int]
     items: list[StoredFeedback]
-
-
-class DatabaseUnavailable(APIError):
-    status_code = 503
-    error_type = "api_error"
 
 
 @dataclass
@@ -225,7 +220,7 @@ class FeedbackService:
     @staticmethod
     def _unavailable(exc: BaseException) -> APIError:
         log.warning("feedback refused, database unreachable: %s", exc)
-        return DatabaseUnavailable(
+        return ServiceUnavailable(
             "the database is unreachable; retry with the same idempotency_key",
             code="database_unavailable",
             retry_after=5.0,

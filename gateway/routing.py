@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from gateway.engines.base import Engine
-from gateway.errors import APIError, InvalidRequest, NotFound
+from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.redaction import Redactor
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
@@ -54,11 +54,8 @@ def adapter_name(policy: str, version: int) -> str:
     return f"{policy}@{version}"
 
 
-class PoliciesUnavailable(APIError):
+class PoliciesUnavailable(ServiceUnavailable):
     """The policies table has not been read since start-up (the database was unreachable)."""
-
-    status_code = 503
-    error_type = "api_error"
 
     def __init__(self) -> None:
         super().__init__(
