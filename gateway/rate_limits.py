@@ -14,7 +14,6 @@ gets up to `replicas x limit`. That is deliberate: the hot path never waits on t
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -25,7 +24,7 @@ import msgspec
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import KeyRing
+from gateway.auth import KeyRing, digest
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.settings import Settings
 
@@ -59,8 +58,9 @@ def caller_identity(authorization: str | None, client_host: str | None, keys: Ke
     """
     if authorization is not None and authorization[:7].lower() == "bearer ":
         token = authorization[7:].strip()
-        if token and keys.lookup("Bearer " + token) is not None:
-            return "key-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        key_digest = digest(token)  # one hash: it finds the key and names its bucket
+        if token and keys.by_digest(key_digest) is not None:
+            return "key-" + key_digest[:16]
     return "anon-" + (client_host or "unknown")
 
 
