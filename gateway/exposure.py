@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
+from typing import get_args
 
 import msgspec
 from litestar.config.cors import CORSConfig
@@ -23,6 +24,7 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, HTTPResponseBodyEvent, HTTPResponseStartEvent, Receive, Scope, Send
 
 from gateway.auth import KeyRing
+from gateway.rate_limits import LimitKind
 from gateway.settings import Settings
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -87,12 +89,13 @@ def cors_config(settings: Settings) -> CORSConfig | None:
             "x-kaizen-model",
             "retry-after",
             "retry-after-ms",
-            *(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset") for kind in _LIMITS),
+            *(
+                f"x-ratelimit-{what}-{kind}"
+                for what in ("limit", "remaining", "reset")
+                for kind in get_args(LimitKind)
+            ),
         ],
     )
-
-
-_LIMITS = ("requests", "tokens")
 
 
 def _json_media_type(value: bytes) -> bool:
@@ -151,7 +154,7 @@ def _host_name(text: str) -> str:
 
 def _loopback_name(name: str, allowed: frozenset[str]) -> bool:
     # `*.localhost` never leaves the machine (browsers resolve it to loopback themselves).
-    return name in allowed or name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+    return name in allowed or name.endswith(".localhost") or is_loopback(name)
 
 
 def loopback_hosts_only(settings: Settings, keys: KeyRing) -> Callable[[ASGIApp], ASGIApp]:
