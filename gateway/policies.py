@@ -15,6 +15,7 @@ from typing import Any
 from gateway.base_models import resolve_base_model
 from storage.audit import record_audit
 from storage.database import Database
+from storage.models import POLICY_NAME_LENGTH
 from storage.policies import (
     PolicyExists,
     PolicyInfo,
@@ -82,10 +83,13 @@ async def create_policy_with_initial_adapter(
         if exist_ok:
             return existing
         raise PolicyExists(f"policy {name!r} already exists")
-    if "@" in name or "/" in name or not name.strip() or name in (".", ".."):
-        # Its versions live at adapters/<name>/<version>: the name must be one step below adapters/.
+    bad = "@" in name or "/" in name or not name.strip() or name in (".", "..")
+    if bad or len(name) > POLICY_NAME_LENGTH:
+        # Its versions live at adapters/<name>/<version>: the name must be one step below adapters/, and fit
+        # the policies' name column (checked before version 0 is built).
         raise ValueError(
-            "a policy name must be non-empty, contain neither '@' nor '/', and not be '.' or '..'"
+            f"a policy name must be 1 to {POLICY_NAME_LENGTH} characters, contain neither '@' nor '/', "
+            "and not be '.' or '..'"
         )
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
     target = adapter_dir(data_dir, name, 0)

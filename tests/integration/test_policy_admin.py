@@ -12,6 +12,7 @@ import pytest
 
 from gateway.cli import main
 from storage.database import Database
+from storage.models import POLICY_NAME_LENGTH
 from storage.policies import activate_version, add_adapter, create_policy, get_policy, update_policy_config
 from storage.schema import upgrade_database
 from tests.conftest import query
@@ -216,3 +217,16 @@ def test_a_policy_name_that_is_a_path_step_is_refused(
         not (gw.settings.data_dir / "adapters").exists()
         or list((gw.settings.data_dir / "adapters").iterdir()) == []
     )
+
+
+def test_the_cli_refuses_a_policy_name_its_column_cannot_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The admin API's body type bounds the name; the CLI reaches the same creation function without it, and
+    # must not build version 0 for a name the database then refuses.
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    assert main(["policy", "create", "p" * (POLICY_NAME_LENGTH + 1), *flags]) == 2
+    assert f"1 to {POLICY_NAME_LENGTH} characters" in caplog.text
+    assert query(url, "SELECT name FROM policies") == []
+    assert not (tmp_path / "adapters").exists()
