@@ -25,6 +25,7 @@ from gateway.settings import async_database_url
 from storage.database import Database
 from storage.schema import upgrade_database_sync
 from tests.conftest import query
+from tests.integration.test_keys_and_tenancy import bearer
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.polling import wait_until
@@ -366,10 +367,6 @@ async def managed_key(url: str) -> str:
     finally:
         await database.dispose()
     return secret
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 def test_client_leaving_before_the_reply_is_recorded_as_a_disconnect(
