@@ -8,10 +8,10 @@ deeper than `MAX_JSON_DEPTH` levels are refused with a 400 instead, so no schema
 engine ever meets them; no client sends anything near it (OpenAI allows 10 levels of nesting in a
 structured-output schema).
 
-The check runs on the value the handler decoded anyway, after the request was authenticated, so it costs no
-second decode and nothing for a caller without a key. A body with fewer brackets than the limit cannot be
-nested that deep, so most bodies cost two `bytes.count` calls (0.2 µs for a one-message chat body); only the
-others are walked (139 µs for a 138 kB body with 30 tools).
+The check walks the value the handler decoded anyway, after the request was authenticated, so it costs no
+second decode and nothing for a caller without a key. Its cost follows the number of arrays and objects, not
+the bytes: 0.4 µs for a one-message chat body, 0.4 µs for one whose message is 1 MB of text, 67 µs for a
+138 kB body with 30 tools (a bracket count of the bytes first, to skip the walk, cost 504 µs on the 1 MB one).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from gateway.errors import InvalidRequest
 MAX_JSON_DEPTH = 128
 
 
-def refuse_too_deep(value: Any, raw: bytes | None = None, *, param: str | None = None) -> None:
-    """400 `invalid_json` when `value` holds arrays or objects nested more than `MAX_JSON_DEPTH` levels deep.
-    `raw`, the bytes it was decoded from, lets a body with few brackets skip the walk."""
-    if raw is not None and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return
+def refuse_too_deep(value: Any, *, param: str | None = None) -> None:
+    """400 `invalid_json` when `value` holds arrays or objects nested more than `MAX_JSON_DEPTH` levels deep."""
     if depth_exceeds(value, MAX_JSON_DEPTH):
         raise InvalidRequest(
             f"The JSON body is nested too deeply (more than {MAX_JSON_DEPTH} levels).",
@@ -38,7 +35,7 @@ def refuse_too_deep(value: Any, raw: bytes | None = None, *, param: str | None =
 
 def depth_exceeds(value: Any, limit: int) -> bool:
     """Level by level (a recursive walk would meet the very limit it measures), stopping at the first level
-    past `limit`; a walk that pushed (item, depth) pairs took 281 µs where this takes 65 µs."""
+    past `limit`; on the 30-tool body a walk that pushed (item, depth) pairs took about four times as long."""
     level: list[Any] = [value] if type(value) is dict or type(value) is list else []
     depth = 1
     while level:

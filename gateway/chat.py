@@ -306,7 +306,7 @@ class ChatService:
             raise InvalidRequest(f"could not parse the JSON body: {exc}", code="invalid_json") from exc
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object", code="invalid_json")
-        refuse_too_deep(body, raw_body)
+        refuse_too_deep(body)
         return body
 
     def prepare_body(

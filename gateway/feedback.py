@@ -107,7 +107,7 @@ def decode_items(raw_body: bytes) -> tuple[list[FeedbackItem], bool]:
         raise InvalidRequest(
             'the body must be a JSON object: one item, or {"items": [...]}', code="invalid_json"
         )
-    refuse_too_deep(body, raw_body)
+    refuse_too_deep(body)
     batched = "items" in body
     try:
         items = (

@@ -123,15 +123,14 @@ class EpisodesController(Controller):
     ) -> EpisodeOut:
         """Replace the metadata and/or the tags given; fields left out are kept. They are redacted by the
         episode's policy, like everything captured for it."""
-        raw = await request.body()
         try:
-            change = msgspec.json.decode(raw, type=EpisodeUpdate)
+            change = msgspec.json.decode(await request.body(), type=EpisodeUpdate)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise InvalidRequest(str(exc), code="invalid_value") from exc
         principal = principal_of(request)
         metadata = None if isinstance(change.metadata, UnsetType) else change.metadata
         tags = None if isinstance(change.tags, UnsetType) else list(change.tags)
-        refuse_too_deep({"metadata": metadata}, raw, param="metadata")  # its depth in the body
+        refuse_too_deep({"metadata": metadata}, param="metadata")  # its depth in the body
         _, policy = await episode_policy(session, episode_id)
         redactor = router.redactor(policy)
         if redactor is not None:

@@ -85,7 +85,7 @@ class RunsController(Controller):
                 body = msgspec.json.decode(raw, type=TrainBody)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise InvalidRequest(str(exc), code="invalid_value") from exc
-            refuse_too_deep({"overrides": body.overrides}, raw, param="overrides")
+            refuse_too_deep({"overrides": body.overrides}, param="overrides")
             policy = await get_policy(session, name)
             if policy is None:
                 raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
