@@ -1,5 +1,5 @@
 """`python -m gateway` is the `kaizen` command."""
 
-from gateway.cli import main
+from gateway.commands.main import main
 
 raise SystemExit(main())

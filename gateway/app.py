@@ -19,7 +19,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, LoginThrottle
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.chat import ChatService
 from gateway.completions import RelayService
 from gateway.controllers.admin import (

@@ -20,7 +20,7 @@ import msgspec
 
 from gateway.auth import Principal
 from gateway.body_depth import refuse_too_deep
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.engines.base import Engine, EngineStream, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
 from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied

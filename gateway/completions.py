@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from gateway.auth import Principal
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.chat import ChatService, check_stored_fields, relay_events, stored_user, validation_error
 from gateway.engines.base import Engine, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id

@@ -9,7 +9,7 @@ from litestar import Response
 from gateway.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
-    from trainer.policy_config import InvalidPolicyConfig
+    from trainer.control.policy_config import InvalidPolicyConfig
 
 
 class APIError(Exception):

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import WEBHOOK, KeyRing, Principal, authenticate_client
 from gateway.body_depth import refuse_too_deep
-from gateway.capture import RecentTargets
+from gateway.capture.sink import RecentTargets
 from gateway.episodes import valid_id
 from gateway.errors import APIError, AuthenticationError, InvalidRequest, NotFound, ServiceUnavailable
 from gateway.redaction import Redactor
@@ -44,8 +44,8 @@ from storage.models import REWARD_NAME_LENGTH
 from storage.rewards import NewReward, RewardInfo, insert_rewards, link_pending, mark_orphans, oldest_unlinked
 from storage.rewards import rewards_by_key as stored_by_key
 from storage.signatures import forget_signatures, record_signature
-from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig
-from trainer.rewards import policy_reward_config, refresh_episode_rewards
+from trainer.control.policy_config import FeedbackConfig, InvalidPolicyConfig
+from trainer.control.rewards import policy_reward_config, refresh_episode_rewards
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.engines.base import Engine
 from gateway.exposure import is_loopback
 from gateway.routing import ModelRouter

@@ -25,7 +25,7 @@ from storage.policies import (
     create_policy,
     get_policy,
 )
-from trainer.policy_config import TrainConfig, load_policy_config
+from trainer.control.policy_config import TrainConfig, load_policy_config
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfi
     """
     import torch
 
-    from trainer.model import load_policy, save_adapter
+    from trainer.learner.model import load_policy, save_adapter
 
     if target.exists():
         return  # an earlier, interrupted create got this far: the directory is complete (it is renamed in)

@@ -29,7 +29,7 @@ import msgspec
 from gateway.keyfile import generated_key
 from storage.models import GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord
-from trainer.policy_config import PrivacyConfig
+from trainer.control.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from gateway.redaction import Redactor
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
 from storage.policies import list_adapters, list_policies
-from trainer.policy_config import PrivacyConfig
+from trainer.control.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
 

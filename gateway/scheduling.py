@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 from gateway.base_models import resolve_base_model
-from gateway.judge_command import judge_settings
+from gateway.commands.judge import judge_settings
 from gateway.settings import Settings
 from storage.database import Database
-from trainer.launch import torchrun_command
-from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
+from trainer.control.launch import torchrun_command
+from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def gate_url(settings: Settings) -> str:
 
 
 def train_command(settings: Settings) -> list[str]:
-    """argv of the training child (`python -m trainer`, the scheduler adds `--policy` and `--base-model`), through
+    """argv of the training child (`python -m trainer.learner`, the scheduler adds `--policy` and `--base-model`), through
     torchrun when a run uses several processes (`KAIZEN_TRAIN_PROCESSES`).
 
     Secrets stay out of argv: the child reads them from its environment (`child_env`)."""
@@ -62,11 +62,11 @@ def train_command(settings: Settings) -> list[str]:
         argv += ["--engine-url", gate_url(settings), "--engine-max-n", str(settings.max_n)]
     if settings.train_processes > 1:
         return torchrun_command(sys.executable, settings.train_processes, argv)
-    return [sys.executable, "-m", "trainer", *argv]
+    return [sys.executable, "-m", "trainer.learner", *argv]
 
 
 def judge_arguments(settings: Settings) -> list[str]:
-    """The judge settings as `python -m trainer` flags (the API key goes by environment)."""
+    """The judge settings as `python -m trainer.learner` flags (the API key goes by environment)."""
     judge = judge_settings(settings)
     argv = [
         "--judge-model",

@@ -7,7 +7,7 @@ rotating its secret); unknown fields are ignored; a second ``t`` is refused as a
 A request's identity for replay protection is the parsed timestamp and the MAC the gateway computes itself
 (`Signature.mac`), never the header text: spacing, field order, leading zeros, hex case or extra fields do not
 make the same signed request new. The trainer signs its outgoing scoring webhooks in the same format with its
-own few lines (`trainer/scoring.py`), because the trainer must not import the gateway.
+own few lines (`trainer/control/scoring.py`), because the trainer must not import the gateway.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, create_key, principal_of, requires
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.controllers.params import PageLimit, PathName
 from gateway.engines.base import Engine
 from gateway.errors import NotFound

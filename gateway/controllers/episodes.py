@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import Principal, principal_of, requires
 from gateway.body_depth import refuse_too_deep
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.routing import ModelRouter

@@ -19,7 +19,7 @@ from gateway.settings import Settings
 from storage.audit import record_audit
 from storage.database import Database
 from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, promote, rollback
-from trainer.policy_config import InvalidPolicyConfig
+from trainer.control.policy_config import InvalidPolicyConfig
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):

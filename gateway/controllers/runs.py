@@ -20,8 +20,8 @@ from gateway.scheduling import Jobs
 from storage.audit import record_audit
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import get_policy, update_policy_config
-from trainer.policy_config import InvalidPolicyConfig, load_policy_config
-from trainer.scheduler import JobBusy, JobKind, TrainOptions
+from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
+from trainer.control.scheduler import JobBusy, JobKind, TrainOptions
 
 
 class Started(msgspec.Struct):

@@ -45,7 +45,7 @@ from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollups import refresh_if_stale
-from trainer.policy_config import InvalidPolicyConfig, load_policy_config
+from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
 
 PAGE_SIZE = 50
 LOG_TAIL_BYTES = 64 * 1024

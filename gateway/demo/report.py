@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.demo.traffic import CallResult
-from trainer.collapse import distinct_share, empty_share
+from trainer.control.collapse import distinct_share, empty_share
 
 logger = logging.getLogger(__name__)
 

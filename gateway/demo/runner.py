@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 
 from gateway.base_models import resolve_base_model
+from gateway.commands.serve_process import GatewayProcess
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
 from gateway.demo.tasks import TASKS, Task
 from gateway.demo.traffic import SimulatedApp
-from gateway.serve_process import GatewayProcess
 
 logger = logging.getLogger(__name__)
 

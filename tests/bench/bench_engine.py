@@ -37,7 +37,7 @@ from gateway.engines.vllm import VLLMEngine
 from gateway.policies import build_initial_adapter
 from gateway.settings import Settings
 from tests.support.ports import free_port
-from trainer.policy_config import TrainConfig
+from trainer.control.policy_config import TrainConfig
 
 logger = logging.getLogger("bench_engine")
 

@@ -297,7 +297,7 @@ def phase_train(args: argparse.Namespace, summary: dict[str, Any], trace: Memory
 
 
 def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
-    """Kaizen's update with the base loaded through Unsloth: `trainer.model` picks it where it is importable."""
+    """Kaizen's update with the base loaded through Unsloth: `trainer.learner.model` picks it where it is importable."""
     env = _base_env()
     if args.unsloth_site is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.unsloth_site), env.get("PYTHONPATH")]))

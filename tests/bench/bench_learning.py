@@ -98,9 +98,9 @@ async def base_rate(
     from openai import AsyncOpenAI
 
     from gateway.base_models import resolve_base_model
+    from gateway.commands.serve_process import GatewayProcess
     from gateway.demo.runner import wait_for_model
     from gateway.demo.tasks import TASKS, reward
-    from gateway.serve_process import GatewayProcess
     from gateway.settings import Settings
 
     models = Settings().data_dir / "models"

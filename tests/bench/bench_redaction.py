@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.redaction import Redactor, redact_call
 from storage.records import CallRecord
-from trainer.policy_config import PrivacyConfig
+from trainer.control.policy_config import PrivacyConfig
 
 logger = logging.getLogger("bench_redaction")
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.schema import upgrade_database

@@ -1,8 +1,8 @@
 """Resampling through the serving engine: one trajectory at a time against `resample_concurrency` at once.
 
-A real `kaizen serve` with vLLM (CPU build, embedded model) serves a fresh policy; `trainer.grouping
+A real `kaizen serve` with vLLM (CPU build, embedded model) serves a fresh policy; `trainer.learner.grouping
 .resample_groups` resamples the same trajectories (k-1 replies each, temperature 1, `max_new_tokens` cap)
-through `trainer.engine_sampling.EngineSampler` exactly as `kaizen train` does, with a scorer that answers at
+through `trainer.learner.engine_sampling.EngineSampler` exactly as `kaizen train` does, with a scorer that answers at
 once so only sampling is timed. Concurrency 1 and the configured concurrency alternate, so drift hits both.
 
     python -m tests.bench.bench_resample [--concurrency 8] [--rounds 2] [--out tests/bench/results/resample.json]
@@ -57,10 +57,10 @@ class InstantScorer:
 async def resample_once(
     url: str, api_key: str, tokenizer: Any, concurrency: int, args: argparse.Namespace
 ) -> dict[str, float]:
-    from trainer.dataset import DataReport, TrainingExample
-    from trainer.engine_sampling import EngineEndpoint
-    from trainer.grouping import resample_groups
-    from trainer.policy_config import TrainConfig
+    from trainer.control.policy_config import TrainConfig
+    from trainer.learner.dataset import DataReport, TrainingExample
+    from trainer.learner.engine_sampling import EngineEndpoint
+    from trainer.learner.grouping import resample_groups
 
     trajectories = [
         TrainingExample(
@@ -98,7 +98,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from gateway.base_models import resolve_base_model
-    from gateway.serve_process import GatewayProcess
+    from gateway.commands.serve_process import GatewayProcess
 
     base_path = await asyncio.to_thread(resolve_base_model, "smollm2-135m-instruct", args.models_dir)
     tokenizer = AutoTokenizer.from_pretrained(base_path)
@@ -129,7 +129,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     best = {side: max(results, key=lambda r: r["replies_per_s"]) for side, results in runs.items()}
     return {
         "method": (
-            "trainer.grouping.resample_groups through a real kaizen serve + vLLM (CPU build), EngineSampler as in "
+            "trainer.learner.grouping.resample_groups through a real kaizen serve + vLLM (CPU build), EngineSampler as in "
             "kaizen train; instant scorer; concurrency 1 and N alternating; best round per side"
         ),
         "trajectories": args.trajectories,

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from tests.bench.bench_overhead import Processes, Target, percentile, wait_healthy
 from tests.support import proc_stats
 from tests.support.child_gateway import rss_bytes, upstream_gateway
@@ -131,7 +131,7 @@ def capture_writer_pid(gateway: GatewayProcess) -> int | None:
     assert gateway.process is not None
     for pid in child_pids(gateway.process.pid):
         with contextlib.suppress(OSError):
-            if b"gateway.capture_writer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"gateway.capture.writer" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
     return None
 

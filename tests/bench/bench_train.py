@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer.policy_config import TrainConfig
+from trainer.control.policy_config import TrainConfig
 
 logger = logging.getLogger("bench_train")
 
@@ -92,9 +92,9 @@ def run_kaizen(
 ) -> dict[str, Any]:
     import torch
 
-    from trainer.batch import TokenizedSample
-    from trainer.grpo import run_update
-    from trainer.model import load_policy, uses_unsloth
+    from trainer.learner.batch import TokenizedSample
+    from trainer.learner.grpo import run_update
+    from trainer.learner.model import load_policy, uses_unsloth
 
     torch.set_num_threads(threads)
     cfg = TrainConfig(
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "method": (
             "identical fixed batch per optimizer step; TRL GRPOTrainer.training_step with _prepare_inputs replaced "
-            "by the identity (no generation or scoring), Kaizen trainer.grpo.run_update; all: bf16 base weights, "
+            "by the identity (no generation or scoring), Kaizen trainer.learner.grpo.run_update; all: bf16 base weights, "
             "LoRA r16/alpha32 on all linear layers, bf16 autocast, token-level (DAPO) loss, AdamW; TRL with its "
             "default gradient checkpointing and without; fresh process per run, best round per side"
         ),

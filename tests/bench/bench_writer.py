@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gateway.capture import CaptureSink
+from gateway.capture.sink import CaptureSink
 from gateway.settings import async_database_url
 from storage.records import CallRecord
 from storage.schema import upgrade_database

@@ -24,7 +24,7 @@ from storage.rewards import NewReward, insert_rewards, record_judge_group
 from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.postgres import PostgresServer
-from trainer.rewards import refresh_episode_rewards
+from trainer.control.rewards import refresh_episode_rewards
 
 DAY1 = datetime(
     2025, 3, 1, 23, 30, tzinfo=UTC

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from gateway.bootstrap_command import choose_mode, group_keys
+from gateway.commands.bootstrap import choose_mode, group_keys
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import create_policy
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_judge import ScriptedJudge
-from trainer.gate import is_held_out
+from trainer.control.gate import is_held_out
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "boot-admin"

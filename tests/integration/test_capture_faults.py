@@ -18,7 +18,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from gateway.signing import sign
 from tests.support.child_gateway import kill, start, terminate, upstream_gateway
 from tests.support.polling import poll

@@ -20,8 +20,8 @@ from tests.conftest import query
 from tests.integration.test_chat_capture import calls, client
 from tests.support.gateway_server import GatewayServer
 from tests.support.postgres import PostgresServer
-from trainer.ruler import JudgeSettings
-from trainer.scheduler import JobRunner, RunnerConfig
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scheduler import JobRunner, RunnerConfig
 
 MakeGateway = Callable[..., GatewayServer]
 

@@ -16,7 +16,7 @@ import openai
 import polars as pl
 import pytest
 
-from gateway.cli import main
+from gateway.commands.main import main
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import create_policy

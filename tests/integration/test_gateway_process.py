@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from tests.support.scripted_upstream import ScriptedUpstream
 
 

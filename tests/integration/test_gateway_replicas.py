@@ -29,7 +29,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy
@@ -40,9 +40,9 @@ from tests.support.polling import wait_until_async
 from tests.support.postgres import PostgresServer
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
-from trainer.policy_config import ScheduleConfig
-from trainer.ruler import JudgeSettings
-from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
+from trainer.control.policy_config import ScheduleConfig
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
 REPLICAS = 3
 REFRESH_S = 1.0

@@ -16,7 +16,7 @@ from storage.models import JobLock
 from storage.policies import create_policy
 from storage.schema import upgrade_database
 from tests.support.polling import wait_until_async
-from trainer.job import TrainingBusy, TrainRequest, run_training
+from trainer.learner.job import TrainingBusy, TrainRequest, run_training
 
 
 async def fresh_database(url: str) -> Database:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli import main
+from gateway.commands.main import main
 from tests.conftest import query
 from tests.integration.test_policy_admin import seed_policy
 from tests.support.dashboard import login

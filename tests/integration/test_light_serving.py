@@ -20,7 +20,7 @@ _SERVE = textwrap.dedent(
     """
     import asyncio, json, sys
 
-    import gateway.cli
+    import gateway.commands.main
     from litestar.testing import AsyncTestClient
 
     from gateway.app import build_services, create_app

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.cli import main
+from gateway.commands.main import main
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
 from storage.policies import activate_version, add_adapter, create_policy, get_policy, update_policy_config

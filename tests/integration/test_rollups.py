@@ -22,7 +22,7 @@ from storage.retention import prune_calls
 from storage.rewards import NewReward, insert_rewards, link_pending
 from storage.rollups import LOCK_KEY, Key, Sums, refresh_rollups, rolled_until, sum_rows, window_sums
 from tests.support.synthetic_traffic import DAYS, POLICIES, load
-from trainer.rewards import refresh_episode_rewards
+from trainer.control.rewards import refresh_episode_rewards
 
 STEP = 900
 

@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cli import main
+from gateway.commands.main import main
 from gateway.signing import verify
 from tests.conftest import query
 from tests.integration.test_feedback import add_policy, episode
 from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_judge import ScriptedJudge
-from trainer.ruler import JudgeSettings, MalformedJudgement, build_prompt, judge_group, parse_scores
+from trainer.control.ruler import JudgeSettings, MalformedJudgement, build_prompt, judge_group, parse_scores
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -149,7 +149,7 @@ _FIRST_JUDGE_CALL = textwrap.dedent(
     """
     import asyncio, json, sys, time
 
-    from trainer.ruler import JudgeSettings, judge_group
+    from trainer.control.ruler import JudgeSettings, judge_group
 
     async def main() -> dict:
         imported_before = "litellm" in sys.modules

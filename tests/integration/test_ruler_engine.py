@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.conftest import VLLMServer, query
-from trainer.ruler import JudgeSettings, judge_group
+from trainer.control.ruler import JudgeSettings, judge_group
 
 pytestmark = pytest.mark.vllm
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.support.scripted_judge import ScriptedJudge
-from trainer.ruler import JudgeSettings, import_litellm, takes_seed
-from trainer.scenarios import ScenarioError, parse_scenarios, write_scenarios
+from trainer.control.ruler import JudgeSettings, import_litellm, takes_seed
+from trainer.control.scenarios import ScenarioError, parse_scenarios, write_scenarios
 
 TASK = "Answer questions about train timetables between Swiss cities."
 

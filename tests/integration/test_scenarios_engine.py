@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import VLLMServer
 from tests.integration.test_scenarios import TASK
-from trainer.ruler import JudgeSettings
-from trainer.scenarios import WrittenScenarios, write_scenarios
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scenarios import WrittenScenarios, write_scenarios
 
 pytestmark = pytest.mark.vllm
 

@@ -30,8 +30,8 @@ from storage.policies import activate_version, adapter_dir, add_adapter, create_
 from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.polling import wait_until_async
-from trainer.ruler import JudgeSettings
-from trainer.scheduler import JobRunner, PolicyScheduler, RunnerConfig
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def runner(database: Database, data_dir: Path) -> JobRunner:
     config = RunnerConfig(
         data_dir=data_dir,
         judge=JudgeSettings(model=""),
-        train_command=[sys.executable, "-m", "trainer", "--data-dir", str(data_dir)],
+        train_command=[sys.executable, "-m", "trainer.learner", "--data-dir", str(data_dir)],
         child_env={},
         gate_url="http://127.0.0.1:9/v1",
     )
@@ -364,7 +364,9 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
     ]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
-    assert any("interrupted" in r.getMessage() for r in caplog.records if r.name == "trainer.scheduler")
+    assert any(
+        "interrupted" in r.getMessage() for r in caplog.records if r.name == "trainer.control.scheduler"
+    )
 
 
 def test_a_job_firing_while_its_last_run_goes_on_is_not_a_warning(tmp_path: Path, caplog: Any) -> None:
@@ -475,7 +477,7 @@ def test_retention_never_touches_active_pinned_or_rollback_versions(
 
 def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
     from gateway.scheduling import child_env, gate_url, train_command
-    from trainer.train_command import build_parser, inputs_from_arguments
+    from trainer.learner.train_command import build_parser, inputs_from_arguments
 
     settings = Settings.load(
         data_dir=tmp_path,
@@ -493,7 +495,7 @@ def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
     assert gate_url(settings) == "http://127.0.0.1:8123/v1"
     # The child is the trainer's own entry point; secrets reach it through the environment, never argv.
     argv = train_command(settings)
-    assert argv[1:3] == ["-m", "trainer"]
+    assert argv[1:3] == ["-m", "trainer.learner"]
     assert not {"k1", "judge-secret", "hook-secret", settings.database_url} & set(argv)
     inputs = inputs_from_arguments(build_parser().parse_args([*argv[3:], "--policy", "p"]), env)
     assert (inputs.policy, inputs.data_dir, inputs.database_url) == (

@@ -1,4 +1,4 @@
-"""`python -m trainer.torchrun`, the launcher of training on several processes: a run that ends by itself exits
+"""`python -m trainer.learner.torchrun`, the launcher of training on several processes: a run that ends by itself exits
 with its trainer's status, and one stopped by a signal with 128 + the signal's number after one log line, with
 every process it started stopped; neither prints torchrun's traceback."""
 
@@ -18,7 +18,7 @@ from tests.support.stopping import default_sigint
 REPO = Path(__file__).resolve().parents[2]
 
 #: A training process stand-in: says it started (with its pid), then exits with the status it is given or waits
-#: for a signal, which it takes as `python -m trainer` does (no traceback of its own).
+#: for a signal, which it takes as `python -m trainer.learner` does (no traceback of its own).
 WORKER = """
 import os, sys, time
 from pathlib import Path
@@ -40,7 +40,7 @@ def launch(tmp_path: Path, *worker_args: str) -> subprocess.Popen[str]:
     script.write_text(WORKER)
     (tmp_path / "started").mkdir()
     command = [
-        sys.executable, "-m", "trainer.torchrun", "--standalone", "--nproc-per-node", "2",
+        sys.executable, "-m", "trainer.learner.torchrun", "--standalone", "--nproc-per-node", "2",
         str(script), str(tmp_path / "started"), *worker_args,
     ]  # fmt: skip
     return subprocess.Popen(
@@ -88,7 +88,7 @@ def test_a_signal_stops_every_process_and_ends_in_a_log_line(tmp_path: Path, sig
 def test_a_run_that_ends_by_itself_exits_with_its_trainers_status(
     tmp_path: Path, status: int, expected: int
 ) -> None:
-    """As `python -m trainer` would on one process; a failure is torchrun's summary, not a traceback."""
+    """As `python -m trainer.learner` would on one process; a failure is torchrun's summary, not a traceback."""
     launcher = launch(tmp_path, str(status))
     output, _ = launcher.communicate(timeout=180)
     assert launcher.returncode == expected, output[-4000:]

@@ -21,7 +21,7 @@ from storage.policies import create_policy
 from storage.schema import upgrade_database
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from tests.support.wandb_offline import read_offline_run
-from trainer.job import TrainOutcome, TrainRequest, run_training
+from trainer.learner.job import TrainOutcome, TrainRequest, run_training
 
 # Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
 pytestmark = pytest.mark.serial
@@ -167,7 +167,7 @@ def _closed_port() -> int:
 def test_unreachable_or_missing_backend_never_fails_a_run(
     tmp_path: Path, embedded_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="trainer.tracking")
+    caplog.set_level(logging.WARNING, logger="trainer.learner.tracking")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

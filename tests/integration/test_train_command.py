@@ -1,4 +1,4 @@
-"""The trainer's entry point, as the scheduler and an operator run it: `python -m trainer` in its own process,
+"""The trainer's entry point, as the scheduler and an operator run it: `python -m trainer.learner` in its own process,
 and `kaizen train`, which builds the same inputs from the gateway's settings."""
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     [
         (["-m", "gateway", "train"], signal.SIGTERM, False, "interrupted"),
         (["-m", "gateway", "train"], signal.SIGINT, False, "interrupted"),
-        (["-m", "trainer"], signal.SIGTERM, False, "interrupted"),
-        (["-m", "trainer"], signal.SIGTERM, True, "interrupted"),
+        (["-m", "trainer.learner"], signal.SIGTERM, False, "interrupted"),
+        (["-m", "trainer.learner"], signal.SIGTERM, True, "interrupted"),
         (
             ["-m", "gateway", "worker", "--once", "train"],
             signal.SIGTERM,

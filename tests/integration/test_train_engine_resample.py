@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from gateway.judge_command import judge_settings
+from gateway.commands.judge import judge_settings
 from gateway.scheduling import gate_url
 from storage.database import Database
 from tests.conftest import VLLMServer, query
 from tests.integration.test_gate import make_policy, rewarded_traffic, run
 from tests.support.engine_text import engine_text
 from tests.support.training_data import NO_COLLAPSE_BOUNDS
-from trainer.engine_sampling import EngineEndpoint, EngineSampler
-from trainer.grouping import PolicyReplyScorer, Sample
-from trainer.job import TrainOutcome, TrainRequest, run_training
-from trainer.rewards import policy_reward_config
-from trainer.scoring import Scorer
+from trainer.control.rewards import policy_reward_config
+from trainer.control.scoring import Scorer
+from trainer.learner.engine_sampling import EngineEndpoint, EngineSampler
+from trainer.learner.grouping import PolicyReplyScorer, Sample
+from trainer.learner.job import TrainOutcome, TrainRequest, run_training
 
 pytestmark = pytest.mark.vllm
 

@@ -18,12 +18,12 @@ from storage.database import Database
 from storage.policies import create_policy, list_adapters
 from storage.schema import upgrade_database
 from tests.support.training_data import RewardedReply, write_rewarded_groups
-from trainer.grouping import PolicyReplyScorer, Sample
-from trainer.job import TrainingBusy, TrainRequest, run_training
-from trainer.model import LocalSampler, load_policy, pick_device
-from trainer.policy_config import TrainConfig, load_policy_config
-from trainer.ruler import JudgeSettings
-from trainer.scoring import Scorer
+from trainer.control.policy_config import TrainConfig, load_policy_config
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scoring import Scorer
+from trainer.learner.grouping import PolicyReplyScorer, Sample
+from trainer.learner.job import TrainingBusy, TrainRequest, run_training
+from trainer.learner.model import LocalSampler, load_policy, pick_device
 
 # Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
 pytestmark = pytest.mark.serial

@@ -30,7 +30,7 @@ from tests.integration.test_train_grpo import (
     scored_request,
 )
 from tests.support.training_data import write_demonstrations
-from trainer.job import run_training
+from trainer.learner.job import run_training
 
 # Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
 pytestmark = pytest.mark.serial

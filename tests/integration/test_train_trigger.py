@@ -1,5 +1,5 @@
 """The admin API's train trigger with a body: one run's `TrainConfig` overrides and data window, validated before
-anything starts, and handed to the training child as `python -m trainer` reads them."""
+anything starts, and handed to the training child as `python -m trainer.learner` reads them."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from storage.database import Database
 from storage.policies import create_policy
 from tests.conftest import query
 from tests.support.polling import wait_until
-from trainer.scheduler import TrainOptions
-from trainer.train_command import build_parser, inputs_from_arguments
+from trainer.control.scheduler import TrainOptions
+from trainer.learner.train_command import build_parser, inputs_from_arguments
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 

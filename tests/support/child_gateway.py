@@ -8,7 +8,7 @@ import secrets
 import signal
 from pathlib import Path
 
-from gateway.serve_process import GatewayProcess
+from gateway.commands.serve_process import GatewayProcess
 from tests.support import proc_stats
 
 

@@ -7,7 +7,7 @@
 Every process builds the same model (the base, and a LoRA whose B is seeded non-zero so every LoRA matrix gets a
 gradient), the same six trajectories of different lengths and one optimizer step of three micro-batches of two
 (so with two processes one of them also runs a zero-weighted pass), and accumulates that step's gradients through
-`trainer.grpo.accumulate_step`, the trainer's own code. Rank 0 writes every LoRA gradient as a whole tensor to
+`trainer.learner.grpo.accumulate_step`, the trainer's own code. Rank 0 writes every LoRA gradient as a whole tensor to
 `--out`, for `tests/integration/test_distributed_training.py` to compare.
 """
 
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from trainer.batch import TokenizedSample
-from trainer.distributed import shard, start, stop
-from trainer.grpo import StepTotals, accumulate_step, plan_steps
-from trainer.launch import ranks_from_environment
-from trainer.model import load_policy
-from trainer.policy_config import TrainConfig
+from trainer.control.launch import ranks_from_environment
+from trainer.control.policy_config import TrainConfig
+from trainer.learner.batch import TokenizedSample
+from trainer.learner.distributed import shard, start, stop
+from trainer.learner.grpo import StepTotals, accumulate_step, plan_steps
+from trainer.learner.model import load_policy
 
 LENGTHS = (19, 23, 31, 12, 27, 16)
 

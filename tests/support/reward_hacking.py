@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from storage.episodes import Trajectory
-from trainer.advantages import group_advantages, has_signal
-from trainer.collapse import CollapseBounds, CollapseSignals, check, measure
-from trainer.dataset import DataReport, TrainingExample
-from trainer.grpo import run_update
-from trainer.model import LocalSampler, load_policy, save_adapter
-from trainer.policy_config import TrainConfig
-from trainer.tokens import tokenize
+from trainer.control.collapse import CollapseBounds, CollapseSignals, check, measure
+from trainer.control.policy_config import TrainConfig
+from trainer.learner.advantages import group_advantages, has_signal
+from trainer.learner.dataset import DataReport, TrainingExample
+from trainer.learner.grpo import run_update
+from trainer.learner.model import LocalSampler, load_policy, save_adapter
+from trainer.learner.tokens import tokenize
 
 Reward = Callable[[dict[str, Any]], float]
 

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from trainer.advantages import SCALE_BY_STD_DEFAULT, group_advantages, has_signal
+from trainer.control.policy_config import SCALE_BY_STD_DEFAULT
+from trainer.learner.advantages import group_advantages, has_signal
 
 
 def test_mean_centred_by_default() -> None:

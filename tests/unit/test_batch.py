@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainer.batch import Batch, TokenizedSample, collate, token_entropy, token_logprobs
+from trainer.learner.batch import Batch, TokenizedSample, collate, token_entropy, token_logprobs
 
 PAD = 0
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.capture import CaptureSink, WriteAheadLog
-from gateway.capture_writer import (
+from gateway.capture.sink import CaptureSink, WriteAheadLog
+from gateway.capture.writer import (
     CaptureWriter,
     Channel,
     LogTail,

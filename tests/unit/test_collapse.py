@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.collapse import (
+from trainer.control.collapse import (
     CollapseBounds,
     CollapseSignals,
     backed_by_reward,

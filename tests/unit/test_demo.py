@@ -15,7 +15,7 @@ from gateway.demo.runner import DemoOptions, policy_config, run_record, summaris
 from gateway.demo.tasks import OPPOSITES, PAST_TENSE, TASKS, reward, score
 from gateway.demo.traffic import CallResult, SimulatedApp, served_version
 from gateway.signing import HEADER
-from trainer.policy_config import load_policy_config
+from trainer.control.policy_config import load_policy_config
 
 QUESTIONS = TASKS["opposites"].questions()
 HOT = next(q for q in QUESTIONS if q.word == "hot")

@@ -15,13 +15,13 @@ import pytest
 from storage.episodes import Trajectory
 from tests.support.ports import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
-from trainer.dataset import DataReport
-from trainer.engine_sampling import EngineEndpoint, parse_choices
-from trainer.gateway_requests import EngineSamplingError
-from trainer.grouping import PolicyReplyScorer, resample_groups
-from trainer.policy_config import TrainConfig
-from trainer.scoring import GroupScore, Score
-from trainer.tokens import tokenize
+from trainer.control.gateway_requests import EngineSamplingError
+from trainer.control.policy_config import TrainConfig
+from trainer.control.scoring import GroupScore, Score
+from trainer.learner.dataset import DataReport
+from trainer.learner.engine_sampling import EngineEndpoint, parse_choices
+from trainer.learner.grouping import PolicyReplyScorer, resample_groups
+from trainer.learner.tokens import tokenize
 
 
 def choice(index: int, tokens: list[tuple[int, float]], content: str | None = "hi") -> dict[str, Any]:
@@ -152,7 +152,7 @@ def test_engine_reply_ids_train_on_the_template_context_with_behaviour_logprobs(
 
 
 class RecordingScorer:
-    """A stand-in for `trainer.scoring.Scorer` that records each group and scores a reply by its length."""
+    """A stand-in for `trainer.control.scoring.Scorer` that records each group and scores a reply by its length."""
 
     def __init__(self, source: str) -> None:
         self.source = source

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from storage.episodes import Trajectory
 from storage.jobs import RunInfo
-from trainer import gate
-from trainer.collapse import CollapseBounds, measure
-from trainer.gate import Context, VersionSampler, collapse_problems, context_seed, is_held_out
-from trainer.policy_config import GateConfig
-from trainer.scoring import GroupScore, Score
+from trainer.control import gate
+from trainer.control.collapse import CollapseBounds, measure
+from trainer.control.gate import Context, VersionSampler, collapse_problems, context_seed, is_held_out
+from trainer.control.policy_config import GateConfig
+from trainer.control.scoring import GroupScore, Score
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 

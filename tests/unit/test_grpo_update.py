@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.batch import TokenizedSample, collate
-from trainer.collapse import CollapseBounds
-from trainer.grpo import CollapseMonitor, _forward_logprobs, plan_steps
-from trainer.model import bf16_supported, load_policy
-from trainer.policy_config import TrainConfig
+from trainer.control.collapse import CollapseBounds
+from trainer.control.policy_config import TrainConfig
+from trainer.learner.batch import TokenizedSample, collate
+from trainer.learner.grpo import CollapseMonitor, _forward_logprobs, plan_steps
+from trainer.learner.model import bf16_supported, load_policy
 
 
 def test_plan_steps_keeps_the_shuffled_steps_and_sorts_each_by_length() -> None:

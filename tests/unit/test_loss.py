@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from trainer.batch import TokenizedSample, collate, token_logprobs
-from trainer.loss import LossMode, policy_loss, sft_loss
-from trainer.policy_config import CLIP_HIGH, CLIP_LOW, KL_COEF, TIS_CAP
+from trainer.control.policy_config import CLIP_HIGH, CLIP_LOW, KL_COEF, TIS_CAP
+from trainer.learner.batch import TokenizedSample, collate, token_logprobs
+from trainer.learner.loss import LossMode, policy_loss, sft_loss
 
 # Hand-made batch: B=2 trajectories, T=3 tokens, ε_low=0.2, ε_high=0.28, C=2.
 # logπθ is built as logπ_old + ln r so every ratio r is a round number.

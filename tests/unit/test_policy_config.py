@@ -12,7 +12,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from trainer.policy_config import DEFAULT_RUBRIC, InvalidPolicyConfig, PolicyConfig, load_policy_config
+from trainer.control.policy_config import (
+    DEFAULT_RUBRIC,
+    InvalidPolicyConfig,
+    PolicyConfig,
+    load_policy_config,
+)
 
 
 def test_defaults_close_the_loop_and_round_trip() -> None:
@@ -131,7 +136,7 @@ def test_train_overrides_replace_keys_of_the_train_section_and_are_validated() -
 def test_importing_the_configuration_loads_neither_torch_nor_polars() -> None:
     """The serving process validates configurations and must start without the training stack."""
     probe = (
-        "import sys, trainer.policy_config\n"
+        "import sys, trainer.control.policy_config\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'polars')))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout

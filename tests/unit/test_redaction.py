@@ -9,7 +9,7 @@ import pytest
 from gateway.redaction import Redactor, iban_valid, load_redaction_key, luhn_valid, redact_call
 from storage.models import GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord
-from trainer.policy_config import InvalidPolicyConfig, PrivacyConfig, load_policy_config
+from trainer.control.policy_config import InvalidPolicyConfig, PrivacyConfig, load_policy_config
 
 
 def mask(text: str, **config: object) -> str:

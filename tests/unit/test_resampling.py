@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from trainer.dataset import DataReport, TrainingExample
-from trainer.grouping import Pool, Sample, allocate, resample_groups
-from trainer.policy_config import TrainConfig
+from trainer.control.policy_config import TrainConfig
+from trainer.learner.dataset import DataReport, TrainingExample
+from trainer.learner.grouping import Pool, Sample, allocate, resample_groups
 
 
 def test_every_context_is_first_topped_up_to_the_group_size() -> None:

@@ -8,14 +8,14 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from gateway.commands.judge import parse_since
 from gateway.errors import InvalidRequest
 from gateway.feedback import to_number
-from gateway.judge_command import parse_since
 from gateway.signing import Signature, SignatureError, sign, verify
 from storage.rewards import RewardInfo
-from trainer.policy_config import FeedbackConfig, InvalidPolicyConfig, RewardRule, load_policy_config
-from trainer.rewards import derive_reward
-from trainer.scoring import webhook_signature
+from trainer.control.policy_config import FeedbackConfig, InvalidPolicyConfig, RewardRule, load_policy_config
+from trainer.control.rewards import derive_reward
+from trainer.control.scoring import webhook_signature
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

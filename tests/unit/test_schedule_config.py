@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 from storage.policies import AdapterInfo
 from storage.retention import versions_to_keep
-from trainer.policy_config import ScheduleConfig
-from trainer.scheduler import catch_up_time, missed_fire_time, previous_fire_time, schedule_slot
+from trainer.control.policy_config import ScheduleConfig
+from trainer.control.scheduler import catch_up_time, missed_fire_time, previous_fire_time, schedule_slot
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 

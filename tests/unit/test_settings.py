@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import build_parser, settings_table
+from gateway.commands.main import build_parser, settings_table
 from gateway.exposure import open_exposure
 from gateway.settings import Settings, async_database_url
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.unit.test_grpo_update import tiny_model_dir  # noqa: F401  (a fixture)
-from trainer.batch import TokenizedSample, collate
-from trainer.dataset import DataReport, TrainingExample
-from trainer.grpo import _forward_logprobs, run_update
-from trainer.model import load_policy
-from trainer.policy_config import TrainConfig
-from trainer.sft import VOUCHED, PhaseMetrics, plan_phases, select_demonstrations
+from trainer.control.policy_config import TrainConfig
+from trainer.learner.batch import TokenizedSample, collate
+from trainer.learner.dataset import DataReport, TrainingExample
+from trainer.learner.grpo import _forward_logprobs, run_update
+from trainer.learner.model import load_policy
+from trainer.learner.sft import VOUCHED, PhaseMetrics, plan_phases, select_demonstrations
 
 
 def example(episode: str, task: str, reply: str, reward: float, origin: str = "captured") -> TrainingExample:

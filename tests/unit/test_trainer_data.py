@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from storage.training import CallRow, EpisodeRow
-from trainer.dataset import DataReport, EarlierTurn, TrainingExample, build_example, select_episodes
-from trainer.grouping import Sample, group_by_column, resample_groups
-from trainer.policy_config import InvalidPolicyConfig, TrainConfig, load_policy_config
-from trainer.tokens import tokenize
+from trainer.control.policy_config import InvalidPolicyConfig, TrainConfig, load_policy_config
+from trainer.learner.dataset import DataReport, EarlierTurn, TrainingExample, build_example, select_episodes
+from trainer.learner.grouping import Sample, group_by_column, resample_groups
+from trainer.learner.tokens import tokenize
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -1,0 +1,802 @@
+"""Scheduled jobs per policy (judge, train, retention) and the runner that executes one job at a time.
+
+The runner is shared by the APScheduler jobs, the admin API and `kaizen worker --once`. Whatever starts a
+job, the database lock on the policy's name lets exactly one run at a time across processes and replicas;
+a job that finds the lock taken is skipped. Training runs in a child process (`kaizen train`), so the
+gateway keeps serving and a crash of the child only marks its run failed. A candidate the child wrote goes
+through the evaluation gate and is promoted only if it passes.
+
+A restarted scheduler reads when each job last ran from `training_runs`: a run missed while nothing was up
+runs once at start (coalesced), however many intervals were missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from storage.database import Database
+from storage.jobs import (
+    RunInfo,
+    count_rewarded_episodes,
+    get_run,
+    last_run_at,
+    latest_run_id,
+    set_adapter_status,
+    start_job_run,
+    update_run,
+)
+from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
+from storage.partitions import DroppedDays, drop_expired_partitions, ensure_partitions
+from storage.policies import PolicyInfo, get_policy, list_policies, promote
+from storage.retention import checkpoint_wal, prune_adapters, prune_calls
+from storage.rollups import REFRESH_INTERVAL_S, refresh_if_stale
+from storage.training import last_data_cutoff
+from trainer.control.gate import GateResult, VersionSampler, evaluate
+from trainer.control.judge_job import judge_policy
+from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scoring import Scorer
+
+logger = logging.getLogger(__name__)
+
+JobKind = Literal["judge", "train", "retention"]
+#: The job lock of the retention of calls no policy owns ('/' cannot be in a policy's name).
+UNOWNED_RETENTION_LOCK = "/retention"
+#: vLLM's sleep-mode endpoints around a training child: level 1 moves the weights to host memory and drops the
+#: KV cache; `mode=wait` drains the calls in flight and queues new ones until the wake.
+ENGINE_SLEEP_PATH = "/sleep?level=1&mode=wait"
+ENGINE_WAKE_PATH = "/wake_up"
+JOB_KINDS: tuple[JobKind, ...] = ("judge", "train", "retention")
+
+
+class JobBusy(RuntimeError):
+    """Another job of the policy holds its lock (in this process or another)."""
+
+
+class JobAlreadyRan(JobBusy):
+    """A run of this job started in the same slot of its schedule already (another replica's scheduler)."""
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What jobs need from the process settings (built by the gateway; the trainer never reads settings)."""
+
+    data_dir: Path
+    judge: JudgeSettings
+    #: argv of the training child, before `--policy P --base-model B` (`python -m trainer.learner ...`, see
+    #: trainer.learner.train_command).
+    train_command: Sequence[str]
+    #: Environment of the training child: where it finds the secrets it needs (see trainer.learner.train_command).
+    child_env: Mapping[str, str]
+    #: OpenAI-compatible URL the gate samples both versions through (the gateway's own /v1).
+    gate_url: str
+    gate_api_key: str | None = None
+    webhook_secret: str = ""
+    #: The engine's own /v1 URL: put to sleep during training when `sleep_engine` (vLLM on a GPU only).
+    engine_url: str | None = None
+    sleep_engine: bool = False
+    train_timeout_s: float = 6 * 3600.0
+    lock_ttl_s: float = 60.0
+    #: Age after which calls no policy row owns are deleted (0: kept), and when that runs (None: never).
+    retention_calls_days: float = 90.0
+    retention_cron: str | None = "30 4 * * *"
+    #: Maps a policy's base model to what the child loads (a local directory, or a Hugging Face id passed
+    #: through); runs in a thread, as it may build an embedded model on first use.
+    base_model_path: Callable[[str], str] = str
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """One training run's own choices on top of the policy's `train` configuration (the admin API's train
+    body): `TrainConfig` overrides, and where its data window starts."""
+
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    since: datetime | None = None
+
+    def argv(self) -> list[str]:
+        """The same as `python -m trainer.learner` flags (`--set` values are JSON, as the trainer reads them)."""
+        args = [f"--set={key}={json.dumps(value)}" for key, value in self.overrides.items()]
+        return [*args, f"--since={self.since.isoformat()}"] if self.since is not None else args
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class JobRunner:
+    """Runs one job of one policy under the policy's database lock and records it in `training_runs`."""
+
+    def __init__(self, database: Database, config: RunnerConfig) -> None:
+        self.database = database
+        self.config = config
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(
+        self, policy: str, kind: JobKind, trigger: str = "manual", options: TrainOptions | None = None
+    ) -> int:
+        """Start a job in the background and return its run id once it has one; raises JobBusy or LookupError.
+
+        `options` only apply to a train job."""
+        announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = self._track(self._execute(policy, kind, trigger, announced, None, options))
+        task.add_done_callback(lambda t: _forward_failure(t, announced))
+        return await asyncio.shield(announced)
+
+    async def run(
+        self, policy: str, kind: JobKind, trigger: str = "manual", slot_start: datetime | None = None
+    ) -> RunInfo | None:
+        """Run a job to its end; None when another job of the policy holds the lock, when `slot_start` is given
+        and a run of this kind started at or after it (the slot's run happened elsewhere already), or when
+        `close` interrupted it."""
+        announced: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        # A task of the runner's own, so that `close` ends a scheduled job too, while the engine and the
+        # database are still up (the loop's teardown would cancel it only after they are gone).
+        task = self._track(self._execute(policy, kind, trigger, announced, slot_start))
+        try:
+            run_id = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # this caller was cancelled (and the job with it)
+            logger.info("%s job of %s interrupted: the scheduler is stopping", kind, policy)
+            return None
+        except JobAlreadyRan:
+            logger.info("%s job of %s skipped: it ran in this slot of its schedule already", kind, policy)
+            return None
+        except JobBusy:
+            logger.info("%s job of %s skipped: another job of the policy is running", kind, policy)
+            return None
+        async with self.database.session() as session:
+            return await get_run(session, run_id)
+
+    def _track(self, job: Coroutine[Any, Any, int]) -> asyncio.Task[int]:
+        """Run a job as a task that `close` cancels."""
+        task = asyncio.create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Cancel running jobs (a training child is killed and its run marked failed)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
+    # ------------------------------------------------------------------ one job
+    async def _execute(
+        self,
+        name: str,
+        kind: JobKind,
+        trigger: str,
+        announced: asyncio.Future[int],
+        slot_start: datetime | None,
+        options: TrainOptions | None = None,
+    ) -> int:
+        def announce(run_id: int) -> None:
+            if not announced.done():
+                announced.set_result(run_id)
+
+        async with self.database.session() as session:
+            policy = await get_policy(session, name)
+        if policy is None:
+            raise LookupError(f"no policy named {name!r}")
+        owner = lock_owner()
+        ttl = self.config.lock_ttl_s
+        async with self.database.session() as session:
+            if not await acquire_lock(session, name, owner, kind, ttl):
+                raise JobBusy(f"a job of policy {name!r} is already running")
+        try:
+            if slot_start is not None:
+                # Under the lock, so no other replica's run of this slot can start meanwhile.
+                async with self.database.session() as session:
+                    last = await last_run_at(session, policy.id, kind)
+                if last is not None and last >= slot_start:
+                    raise JobAlreadyRan(f"the {kind} job of {name!r} ran at {last.isoformat()}")
+            jobs: dict[str, Callable[[PolicyInfo, str, Callable[[int], None]], Awaitable[int]]] = {
+                "judge": self._judge,
+                "train": functools.partial(self._train, owner=owner, options=options or TrainOptions()),
+                "retention": self._retention,
+            }
+            async with heartbeat(self.database, name, owner, ttl):
+                return await jobs[kind](policy, trigger, announce)
+        finally:
+            async with self.database.session() as session:
+                await release_lock(session, name, owner)
+
+    async def _new_run(self, policy: PolicyInfo, kind: str, trigger: str) -> int:
+        async with self.database.session() as session:
+            run_id = await start_job_run(
+                session, policy.id, kind, policy.active_version, {"trigger": trigger}
+            )
+            await session.commit()
+        return run_id
+
+    async def _finish(self, run_id: int, status: str, **values: Any) -> None:
+        async with self.database.session() as session:
+            await update_run(session, run_id, status=status, finished_at=_now(), **values)
+            await session.commit()
+
+    async def _judge(self, policy: PolicyInfo, trigger: str, announce: Callable[[int], None]) -> int:
+        run_id = await self._new_run(policy, "judge", trigger)
+        announce(run_id)
+        try:
+            report = await judge_policy(
+                self.database, policy.name, self.config.judge, webhook_secret=self.config.webhook_secret
+            )
+        except Exception as exc:
+            logger.exception("judge job of %s failed", policy.name)
+            await self._finish(run_id, "failed", error=repr(exc)[:4000])
+            return run_id
+        failed = report.failed > 0 and report.judged == 0
+        await self._finish(
+            run_id,
+            "failed" if failed else "succeeded",
+            metrics=dataclasses.asdict(report),
+            error="every group failed to score" if failed else None,
+        )
+        return run_id
+
+    async def _retention(self, policy: PolicyInfo, trigger: str, announce: Callable[[int], None]) -> int:
+        run_id = await self._new_run(policy, "retention", trigger)
+        announce(run_id)
+        try:
+            config = load_policy_config(policy.config).schedule.retention
+            days = await self._drop_expired_days()
+            calls = episodes = 0
+            async with self.database.session() as session:
+                fresh = await get_policy(session, policy.name)
+                active = fresh.active_version if fresh is not None else None
+                if config.calls_days is not None:
+                    cutoff = _now() - timedelta(days=config.calls_days)
+                    calls, episodes = await prune_calls(session, policy.name, cutoff)
+                pruned = await prune_adapters(session, policy.id, active, config.keep_versions)
+                await session.commit()
+            async with self.database.session() as session:
+                await checkpoint_wal(session)
+            await asyncio.to_thread(_remove_dirs, self.config.data_dir / "adapters", [a.path for a in pruned])
+        except Exception as exc:
+            logger.exception("retention job of %s failed", policy.name)
+            await self._finish(run_id, "failed", error=repr(exc)[:4000])
+            return run_id
+        metrics = {
+            "calls": calls,
+            "episodes": episodes,
+            "versions": [a.version for a in pruned],
+            # Whole days dropped on the way, whoever's calls they held (each past its own owner's retention).
+            "dropped_days": days.partitions,
+            "dropped_day_calls": days.calls,
+            "dropped_day_episodes": days.episodes,
+        }
+        logger.info("retention of %s: %s", policy.name, metrics)
+        await self._finish(run_id, "succeeded", metrics=metrics)
+        return run_id
+
+    async def prune_unowned_calls(self) -> tuple[int, int]:
+        """Delete calls no policy row owns (upstream traffic) older than `retention_calls_days`.
+
+        Returns (calls, episodes) deleted. Idempotent, so replicas running it at once do no harm.
+        """
+        if self.config.retention_calls_days <= 0:
+            return 0, 0
+        days = await self._drop_expired_days()
+        cutoff = _now() - timedelta(days=self.config.retention_calls_days)
+        async with self.database.session() as session:
+            calls, episodes = await prune_calls(session, None, cutoff)
+            await session.commit()
+        calls, episodes = calls + days.calls, episodes + days.episodes
+        async with self.database.session() as session:
+            await checkpoint_wal(session)
+        logger.info("retention of calls no policy owns: %d calls, %d episodes deleted", calls, episodes)
+        return calls, episodes
+
+    async def _drop_expired_days(self) -> DroppedDays:
+        """PostgreSQL: drop the day partitions of `calls` whose every call is past its owner's retention, before
+        the row-by-row deletes (which then find little left)."""
+        now = _now()
+        async with self.database.session() as session:
+            cutoffs: dict[str, datetime | None] = {}
+            for policy in await list_policies(session):
+                try:
+                    days = load_policy_config(policy.config).schedule.retention.calls_days
+                except InvalidPolicyConfig:
+                    days = None  # unreadable: keep its calls
+                cutoffs[policy.name] = now - timedelta(days=days) if days is not None else None
+        unowned_days = self.config.retention_calls_days
+        unowned = now - timedelta(days=unowned_days) if unowned_days > 0 else None
+        async with self.database.engine.connect() as connection:
+            return await drop_expired_partitions(connection, cutoffs, unowned)
+
+    async def scheduled_prune(self) -> None:
+        """`prune_unowned_calls` on its cron, once per firing across every replica: the first scheduler to fire
+        takes a lock that it keeps until the next firing, so the others skip this one. A failure is logged, the
+        next firing retries."""
+        assert self.config.retention_cron is not None
+        now = _now()
+        following = parse_cron(self.config.retention_cron).get_next_fire_time(
+            None, now + timedelta(seconds=1)
+        )
+        hold_s = max((following - now).total_seconds() - 1.0, 1.0) if following is not None else 3600.0
+        try:
+            async with self.database.session() as session:
+                if not await acquire_lock(session, UNOWNED_RETENTION_LOCK, lock_owner(), "retention", hold_s):
+                    logger.info("retention of calls no policy owns ran elsewhere for this firing")
+                    return
+            await self.prune_unowned_calls()
+        except Exception:
+            logger.exception("retention of calls no policy owns failed")
+
+    # ------------------------------------------------------------------ training
+    async def _train(
+        self,
+        policy: PolicyInfo,
+        trigger: str,
+        announce: Callable[[int], None],
+        *,
+        owner: str,
+        options: TrainOptions,
+    ) -> int:
+        async with self.database.session() as session:
+            before = await latest_run_id(session, policy.id, "train")
+        log_path = self.config.data_dir / "logs" / f"train-{policy.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        await self._engine_sleep(True)
+        try:
+            rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path, options)
+        finally:
+            await self._engine_sleep(False)
+        error = "".join(tail).strip()[-4000:] or f"training process exited with {rc}"
+        if run_id is None:  # it died before recording a run (bad config, missing model, crash at import)
+            run_id = await self._new_run(policy, "train", trigger)
+            announce(run_id)
+            await self._finish(run_id, "failed", error=error, metrics={"exit_code": rc})
+            logger.error("training of %s failed before it started (exit %s)", policy.name, rc)
+            return run_id
+        async with self.database.session() as session:
+            await update_run(session, run_id, config=await self._run_config(run_id, trigger))
+            await session.commit()
+            run = await get_run(session, run_id)
+        assert run is not None
+        if run.status == "running":  # killed before it could record its outcome (OOM, signal)
+            await self._finish(run_id, "failed", error=error, metrics={**run.metrics, "exit_code": rc})
+            return run_id
+        if run.status == "succeeded" and run.to_version is not None:
+            await self.gate(policy.name, run.id)
+        return run_id
+
+    async def _run_config(self, run_id: int, trigger: str) -> dict[str, Any]:
+        async with self.database.session() as session:
+            run = await get_run(session, run_id)
+        return {**(run.config if run is not None else {}), "trigger": trigger}
+
+    async def _run_child(
+        self,
+        policy: PolicyInfo,
+        owner: str,
+        before: int,
+        announce: Callable[[int], None],
+        log_path: Path,
+        options: TrainOptions,
+    ) -> tuple[int | None, collections.deque[str], int | None]:
+        try:
+            base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
+        except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
+            return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
+        argv = [
+            *self.config.train_command,
+            "--policy",
+            policy.name,
+            "--base-model",
+            base_model,
+            *options.argv(),
+        ]
+        logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            env={**self.config.child_env, OWNER_ENV: owner},  # the child trains under this job's lock
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+
+        async def pump() -> None:
+            assert process.stdout is not None
+            with log_path.open("a", encoding="utf-8") as log:
+                async for raw in process.stdout:
+                    line = raw.decode(errors="replace")
+                    log.write(line)
+                    log.flush()
+                    tail.append(line)
+
+        reader = asyncio.create_task(pump())
+        run_id: int | None = None
+        deadline = time.monotonic() + self.config.train_timeout_s
+        try:
+            while process.returncode is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(process.wait()), 0.5)
+                if run_id is None:
+                    run_id = await self._child_run(policy.id, before)
+                    if run_id is not None:
+                        announce(run_id)
+                if time.monotonic() > deadline and process.returncode is None:
+                    process.kill()
+                    tail.append(f"training exceeded {self.config.train_timeout_s:.0f} s and was killed\n")
+        except BaseException:
+            if process.returncode is None:  # the gateway is shutting down: the run is lost, not left running
+                process.kill()
+                await process.wait()
+                found = run_id or await self._child_run(policy.id, before)
+                if found is not None:
+                    await self._finish(found, "failed", error="interrupted: the scheduler shut down")
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reader, 10)
+        if run_id is None:
+            run_id = await self._child_run(policy.id, before)
+        return process.returncode, tail, run_id
+
+    async def _child_run(self, policy_id: int, before: int) -> int | None:
+        async with self.database.session() as session:
+            latest = await latest_run_id(session, policy_id, "train")
+        return latest if latest > before else None
+
+    async def _engine_sleep(self, asleep: bool) -> None:
+        """Free the GPU for training (vLLM's /sleep, /wake_up: GPU builds with VLLM_SERVER_DEV_MODE=1).
+
+        Without `mode=wait` vLLM aborts the calls it is answering (its default, `abort`); versions that predate
+        the parameter ignore it."""
+        if not self.config.sleep_engine or not self.config.engine_url:
+            return
+        root = self.config.engine_url.rstrip("/").removesuffix("/v1")
+        path = ENGINE_SLEEP_PATH if asleep else ENGINE_WAKE_PATH
+        try:
+            async with httpx.AsyncClient(timeout=120) as client:
+                response = await client.post(root + path)
+            if response.status_code >= 400:
+                logger.warning(
+                    "engine %s answered %d: sleep mode is unsupported here", path, response.status_code
+                )
+        except httpx.HTTPError as exc:
+            logger.warning("engine %s failed: %s", path, exc)
+
+    async def gate(self, name: str, run_id: int) -> GateResult:
+        """Evaluate a finished train run's candidate against the active version; promote it if it passes.
+
+        The decision and its numbers go to the run's `metrics["gate"]`; a rejected candidate is marked
+        `rejected` and nothing that serves changes.
+        """
+        async with self.database.session() as session:
+            policy = await get_policy(session, name)
+            run = await get_run(session, run_id)
+        if policy is None or run is None or run.to_version is None:
+            raise LookupError(f"run {run_id} of {name!r} has no candidate version")
+        candidate = run.to_version
+        policy_config = load_policy_config(policy.config)
+        config = policy_config.gate
+        if policy.active_version is None:
+            result = GateResult("promote", candidate, -1, ["no active version to compare with"])
+        else:
+            scorer = Scorer(
+                policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
+            )
+            sampler = VersionSampler(self.config.gate_url, self.config.gate_api_key, config)
+            try:
+                result = await evaluate(
+                    self.database,
+                    name,
+                    run,
+                    candidate,
+                    policy.active_version,
+                    scorer=scorer,
+                    sampler=sampler,
+                    config=config,
+                )
+            except Exception as exc:
+                logger.exception("the gate could not evaluate %s@%d", name, candidate)
+                result = GateResult(
+                    "reject", candidate, policy.active_version, [f"evaluation failed: {exc!r}"]
+                )
+        async with self.database.session() as session:
+            await update_run(
+                session,
+                run.id,
+                status="succeeded" if result.passed else "rejected",
+                metrics_update={"gate": result.as_dict()},
+            )
+            if not result.passed:
+                await set_adapter_status(session, policy.id, candidate, "rejected")
+            await session.commit()
+            if result.passed and config.promote:
+                await promote(session, name, candidate)
+                logger.info("promoted %s@%d", name, candidate)
+        return result
+
+
+def _remove_dirs(store: Path, paths: Sequence[str]) -> None:
+    """Delete pruned versions' directories, never anything outside the adapter store."""
+    root = store.resolve()
+    for raw in paths:
+        path = Path(raw).resolve()
+        if path.is_relative_to(root) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _forward_failure(task: asyncio.Task[Any], announced: asyncio.Future[int]) -> None:
+    """Hand a job's early failure (busy, unknown policy) to whoever waits for its run id; log later ones."""
+    if announced.done():
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background job failed", exc_info=task.exception())
+        return
+    if task.cancelled():
+        announced.cancel()
+    elif task.exception() is not None:
+        announced.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        announced.set_result(task.result())
+
+
+# ---------------------------------------------------------------------- the schedule
+def catch_up_time(last: datetime | None, now: datetime, interval_s: float) -> datetime:
+    """First run of an interval job: one interval after the last run, or now if that passed (coalesced)."""
+    if last is None:
+        return now + timedelta(seconds=interval_s)
+    return max(now, last + timedelta(seconds=interval_s))
+
+
+def missed_fire_time(expression: str, last: datetime | None, now: datetime) -> datetime | None:
+    """The first time the cron fired after the last run, when that is before now (the process was down)."""
+    if last is None:
+        return None
+    following = parse_cron(expression).get_next_fire_time(None, last + timedelta(seconds=1))
+    return following if following is not None and following <= now else None
+
+
+def previous_fire_time(expression: str, now: datetime, lookback_s: float) -> datetime | None:
+    """The cron's latest firing at or before `now`, looking back at most `lookback_s`."""
+    trigger = parse_cron(expression)
+    latest = None
+    moment = trigger.get_next_fire_time(None, now - timedelta(seconds=lookback_s))
+    while moment is not None and moment <= now:
+        latest = moment
+        moment = trigger.get_next_fire_time(latest, latest + timedelta(seconds=1))
+    return latest
+
+
+def schedule_slot(config: ScheduleConfig, kind: JobKind, trigger: str, now: datetime) -> datetime | None:
+    """Since when a run of `kind` counts as this firing's run: every replica's scheduler fires each job, and
+    the first to take the policy's lock runs it; the others find a run started in the slot and skip.
+
+    An interval job's slot is the last half interval (replicas fire at their own phases), a cron job's starts
+    at the cron's latest firing. Threshold and manual runs have none (the threshold is re-counted).
+    """
+    if trigger == "interval" and kind == "judge" and config.judge_interval_s is not None:
+        return now - timedelta(seconds=config.judge_interval_s / 2)
+    if trigger in ("cron", "catch-up"):
+        cron = (
+            config.train_cron if kind == "train" else config.retention.cron if kind == "retention" else None
+        )
+        if cron is not None:
+            return previous_fire_time(cron, now, config.misfire_grace_s + 60)
+    return None
+
+
+class OverlapsAtDebug(logging.Filter):
+    """APScheduler warns whenever a job fires while its previous firing still runs. With one instance per job
+    that is the design, not a fault: a threshold check that started training outlasts many of its own
+    intervals. Those lines go to DEBUG; every other line passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "maximum number of running instances reached" not in record.getMessage():
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+class PolicyScheduler:
+    """APScheduler (AsyncIOScheduler) jobs per policy, re-read from `policies.config` every `refresh_s`."""
+
+    def __init__(self, database: Database, runner: JobRunner, refresh_s: float = 30.0) -> None:
+        self.database = database
+        self.runner = runner
+        self.refresh_s = refresh_s
+        self._scheduler: Any = None
+        self._fingerprints: dict[str, str] = {}
+
+    async def start(self) -> None:
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        # APScheduler logs every execution at INFO (the sync job: twice a refresh); the jobs log their own.
+        logging.getLogger("apscheduler.executors.default").setLevel(logging.WARNING)
+        overlaps = logging.getLogger("apscheduler.scheduler")
+        if not any(isinstance(f, OverlapsAtDebug) for f in overlaps.filters):
+            overlaps.addFilter(OverlapsAtDebug())
+        self._scheduler = AsyncIOScheduler(
+            timezone=UTC, job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 3600}
+        )
+        self._scheduler.start()
+        self._scheduler.add_job(
+            self.sync, "interval", seconds=self.refresh_s, id="kaizen:sync", next_run_time=_now()
+        )
+        self._scheduler.add_job(
+            self.roll_up, "interval", seconds=REFRESH_INTERVAL_S, id="kaizen:rollups", next_run_time=_now()
+        )
+        if self.runner.config.retention_cron:
+            self._scheduler.add_job(
+                self.runner.scheduled_prune,
+                parse_cron(self.runner.config.retention_cron),
+                id="kaizen:retention",
+            )
+        self._scheduler.add_job(
+            self.create_partitions, "interval", hours=6, id="kaizen:partitions", next_run_time=_now()
+        )
+        logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
+
+    async def create_partitions(self) -> None:
+        """PostgreSQL: keep the day partitions of `calls` ready ahead of the clock (a long-running process never
+        re-runs its start-up's creation). Idempotent; every replica's scheduler may run it."""
+        try:
+            async with self.database.engine.connect() as connection:
+                await ensure_partitions(connection, _now().date())
+                await connection.commit()
+        except Exception:
+            logger.exception("could not create the coming days' call partitions")
+
+    async def stop(self) -> None:
+        """No new firings, then the running jobs end through the runner (a training child killed, its run
+        recorded, the engine woken), then the scheduler goes: shut down first, it would cancel them itself and
+        log each as a failed job."""
+        if self._scheduler is not None:
+            self._scheduler.pause()
+        await self.runner.close()
+        if self._scheduler is not None:
+            self._scheduler.shutdown(wait=False)
+            self._scheduler = None
+
+    async def roll_up(self) -> None:
+        """Keep the dashboard's rollup current (one replica at a time; the others find it busy or fresh)."""
+        try:
+            # Half the interval: a run a moment early must not find the last one just fresh enough.
+            await refresh_if_stale(self.database, REFRESH_INTERVAL_S / 2)
+        except Exception:
+            logger.exception("could not refresh the dashboard's rollups")
+
+    def jobs(self) -> list[tuple[str, datetime | None]]:
+        """(job id, next run time) of every policy job, for inspection."""
+        if self._scheduler is None:
+            return []
+        return [
+            (job.id, job.next_run_time)
+            for job in self._scheduler.get_jobs()
+            if not job.id.startswith("kaizen:")
+        ]
+
+    async def sync(self) -> None:
+        """Bring the jobs in line with every policy's schedule (added, changed, paused, removed)."""
+        try:
+            async with self.database.session() as session:
+                policies = await list_policies(session)
+                last = {
+                    (p.name, kind): await last_run_at(session, p.id, kind)
+                    for p in policies
+                    for kind in JOB_KINDS
+                }
+        except Exception as exc:
+            logger.warning("could not read the policies' schedules: %s", exc)
+            return
+        seen = set()
+        for policy in policies:
+            seen.add(policy.name)
+            try:
+                config = load_policy_config(policy.config).schedule
+            except InvalidPolicyConfig as exc:
+                logger.warning("policy %s has an invalid configuration; its jobs stop: %s", policy.name, exc)
+                config = ScheduleConfig(paused=True)
+            fingerprint = json.dumps(config.model_dump(mode="json"), sort_keys=True)
+            if self._fingerprints.get(policy.name) == fingerprint:
+                continue
+            self._fingerprints[policy.name] = fingerprint
+            self._remove(policy.name)
+            if not config.paused:
+                self._add(policy.name, config, {kind: last[(policy.name, kind)] for kind in JOB_KINDS})
+        for name in set(self._fingerprints) - seen:
+            del self._fingerprints[name]
+            self._remove(name)
+
+    def _remove(self, policy: str) -> None:
+        for job in self._scheduler.get_jobs():
+            if job.id.startswith(f"{policy}:"):
+                job.remove()
+
+    def _add(self, policy: str, config: ScheduleConfig, last: dict[str, datetime | None]) -> None:
+        now = _now()
+        grace = int(config.misfire_grace_s)
+        common = {"coalesce": True, "max_instances": 1, "misfire_grace_time": grace, "replace_existing": True}
+        if config.judge_interval_s is not None:
+            self._scheduler.add_job(
+                self.fire,
+                "interval",
+                args=[policy, "judge", "interval"],
+                seconds=config.judge_interval_s,
+                id=f"{policy}:judge",
+                next_run_time=catch_up_time(last["judge"], now, config.judge_interval_s),
+                **common,
+            )
+        for kind, cron in (("train", config.train_cron), ("retention", config.retention.cron)):
+            if cron is None:
+                continue
+            self._scheduler.add_job(
+                self.fire, parse_cron(cron), args=[policy, kind, "cron"], id=f"{policy}:{kind}", **common
+            )
+            missed = missed_fire_time(cron, last[kind], now)
+            if missed is not None:
+                self._scheduler.add_job(
+                    self.fire,
+                    "date",
+                    args=[policy, kind, "catch-up", missed],
+                    id=f"{policy}:{kind}:catch-up",
+                    run_date=now,
+                    **common,
+                )
+        if config.train_min_new_episodes is not None:
+            self._scheduler.add_job(
+                self.check_threshold,
+                "interval",
+                args=[policy, config.train_min_new_episodes],
+                seconds=config.threshold_check_s,
+                id=f"{policy}:threshold",
+                next_run_time=now,
+                **common,
+            )
+
+    async def fire(
+        self, policy: str, kind: JobKind, trigger: str, slot_start: datetime | None = None
+    ) -> None:
+        """A scheduled run: skipped when the policy was paused since the last sync, another job runs, or another
+        replica's scheduler ran this slot of the schedule already (`schedule_slot`)."""
+        try:
+            async with self.database.session() as session:
+                info = await get_policy(session, policy)
+            if info is None:
+                return
+            config = load_policy_config(info.config).schedule
+            if config.paused:
+                return
+            slot = slot_start or schedule_slot(config, kind, trigger, _now())
+            await self.runner.run(policy, kind, trigger, slot)
+        except Exception:
+            logger.exception("scheduled %s job of %s failed", kind, policy)
+
+    async def check_threshold(self, policy: str, threshold: int) -> None:
+        try:
+            async with self.database.session() as session:
+                info = await get_policy(session, policy)
+                if info is None:
+                    return
+                fresh = await count_rewarded_episodes(
+                    session, policy, await last_data_cutoff(session, info.id)
+                )
+        except Exception as exc:
+            logger.warning("could not count new episodes of %s: %s", policy, exc)
+            return
+        if fresh >= threshold:
+            logger.info("%s: %d newly rewarded episodes (threshold %d): training", policy, fresh, threshold)
+            await self.fire(policy, "train", "threshold")

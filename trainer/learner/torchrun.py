@@ -1,0 +1,39 @@
+"""`python -m trainer.learner.torchrun`: torch's elastic launcher (torchrun, same arguments) as Kaizen starts it.
+
+Two of torchrun's ends are not crashes of the launcher, yet plain torchrun prints each as a traceback and exits 1:
+- a stop by signal (Kubernetes, a scheduler, Ctrl-C): torchrun hands the signal to every trainer, then raises it
+  out of its main function. Here it ends in one log line and 128 + the signal's number.
+- a trainer that exits non-zero, as `python -m trainer.learner` does (3) when its run was skipped or failed. Here
+  torchrun's summary of the failed processes is logged and the command exits with the status of rank 0 (the
+  run), so a run on several processes exits as the same run on one process would.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("trainer.learner.torchrun")  # also when run as __main__
+
+
+def main() -> int:
+    """Run torchrun on this process's arguments; 0 when every training process succeeded."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main()
+    except SignalException as stop:
+        log.warning("torchrun stopped by %s; it stopped every training process first", stop.sigval.name)
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        log.error("training processes failed; torchrun's summary:%s", failed)  # its message is the summary
+        code = (failed.failures.get(0) or failed.get_first_failure()[1]).exitcode  # non-zero; -n: killed by n
+        return 128 - code if code < 0 else code
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main())
