@@ -18,6 +18,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from trainer.control.ruler import JudgeSettings
+
 _SYNC_TO_ASYNC_DRIVERS = {
     "sqlite": "sqlite+aiosqlite",
     "postgresql": "postgresql+asyncpg",
@@ -264,15 +266,21 @@ class Settings(BaseSettings):
         "", description="OpenAI-compatible base URL (ending in /v1) of the judge, e.g. this gateway's own."
     )
     judge_api_key: str = Field("", description="API key for the judge model.")
-    judge_temperature: float = Field(0.0, ge=0, description="Sampling temperature of the judge.")
-    judge_timeout_s: float = Field(120.0, gt=0, description="Time allowed for one judge call.")
+    judge_temperature: float = Field(
+        JudgeSettings.temperature, ge=0, description="Sampling temperature of the judge."
+    )
+    judge_timeout_s: float = Field(
+        JudgeSettings.timeout_s, gt=0, description="Time allowed for one judge call."
+    )
     judge_max_retries: int = Field(
-        2,
+        JudgeSettings.max_retries,
         ge=0,
         description="Retries (with backoff) of a failed or malformed judge call before a group is "
         "left unjudged.",
     )
-    judge_concurrency: int = Field(4, ge=1, description="Groups judged at the same time.")
+    judge_concurrency: int = Field(
+        JudgeSettings.concurrency, ge=1, description="Groups judged at the same time."
+    )
 
     # --- closing the loop: schedules, training child, evaluation gate
     scheduler: bool = Field(
@@ -484,6 +492,18 @@ class Settings(BaseSettings):
     def vllm_urls(self) -> list[str]:
         """The vLLM servers to attach to (`vllm_url` split at commas); empty: start them."""
         return [url.strip() for url in self.vllm_url.split(",") if url.strip()]
+
+    def judge(self) -> JudgeSettings:
+        """The judge as the RULER scorer, the judge job and the training child call it."""
+        return JudgeSettings(
+            model=self.judge_model,
+            api_base=self.judge_api_base or None,
+            api_key=self.judge_api_key or None,
+            temperature=self.judge_temperature,
+            timeout_s=self.judge_timeout_s,
+            max_retries=self.judge_max_retries,
+            concurrency=self.judge_concurrency,
+        )
 
     @property
     def capture_log_dir(self) -> Path:

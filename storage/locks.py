@@ -5,8 +5,8 @@ job of that policy is live. The holder renews `expires_at` from a heartbeat; a c
 next job takes the expired lock over. Insert-on-conflict works the same on SQLite and PostgreSQL.
 
 A holder that starts a child process for the job (the scheduler's training child) hands the lock down by
-setting `OWNER_ENV` in the child's environment: the child renews the lock under that owner instead of taking
-it, and leaves releasing it to the parent.
+naming its owner in the child's job (`TrainingJob.lock_owner`): the child renews the lock under that owner
+instead of taking it, and leaves releasing it to the parent.
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from storage.dialect import insert
 from storage.models import JobLock
 
 logger = logging.getLogger(__name__)
-
-#: Environment variable naming the owner of a lock the parent process holds for this process's job.
-OWNER_ENV = "KAIZEN_JOB_LOCK_OWNER"
 
 
 def lock_owner() -> str:

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from gateway.settings import async_database_url
 from storage.database import Database
-from storage.locks import OWNER_ENV, acquire_lock, lock_owner, release_lock, renew_lock
+from storage.locks import acquire_lock, lock_owner, release_lock, renew_lock
 from storage.models import JobLock
 from storage.policies import create_policy
 from storage.schema import upgrade_database
@@ -64,7 +64,7 @@ def test_job_lock_is_exclusive_under_concurrency(database_url: str) -> None:
     assert sorted(asyncio.run(scenario())) == [False, False, False, False, True]
 
 
-def test_training_child_runs_under_its_parents_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_child_runs_under_its_parents_lock(tmp_path: Path) -> None:
     """A run started with the parent's owner trains under that lock and leaves releasing it to the parent;
     an owner that holds nothing is refused."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
@@ -76,11 +76,9 @@ def test_training_child_runs_under_its_parents_lock(tmp_path: Path, monkeypatch:
                 await create_policy(session, "p", "base", {"train": {"grouping": "key"}})
                 await session.commit()
                 assert await acquire_lock(session, "p", "parent", "train", ttl_s=60)
-            monkeypatch.setenv(OWNER_ENV, "someone-else")
             with pytest.raises(TrainingBusy):
-                await run_training(database, TrainRequest("p", tmp_path, "unused"))
-            monkeypatch.setenv(OWNER_ENV, "parent")
-            outcome = await run_training(database, TrainRequest("p", tmp_path, "unused"))
+                await run_training(database, TrainRequest("p", tmp_path, "unused", lock_owner="someone-else"))
+            outcome = await run_training(database, TrainRequest("p", tmp_path, "unused", lock_owner="parent"))
             assert outcome.status == "skipped"  # no rewarded episodes: it ran, and found nothing to train on
             async with database.session() as session:
                 assert await session.scalar(select(JobLock.owner).where(JobLock.key == "p")) == "parent"

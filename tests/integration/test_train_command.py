@@ -1,5 +1,6 @@
-"""The trainer's entry point, as the scheduler and an operator run it: `python -m trainer.learner` in its own process,
-and `kaizen train`, which builds the same inputs from the gateway's settings."""
+"""The trainer's entry point, as the scheduler and an operator run it: `python -m trainer.learner` in its own
+process with its `TrainingJob` on stdin, and `kaizen train`, which starts the same child with the job it builds
+from the gateway's settings."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from storage.schema import upgrade_database
 from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
+from trainer.control.ruler import JudgeSettings
+from trainer.control.training_job import BAD_JOB, TrainingJob
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "by-hand"
@@ -41,6 +44,18 @@ TRAIN = {
 def _env() -> dict[str, str]:
     """This process's environment without any KAIZEN_* setting: the child gets only what the test passes."""
     return {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+
+
+def job(url: str, data_dir: Path, base_model: Path) -> bytes:
+    """The job line the scheduler would hand the child: resampling with the trainer's own model, on the CPU."""
+    return TrainingJob(
+        policy=POLICY,
+        database_url=url,
+        data_dir=str(data_dir),
+        base_model=str(base_model),
+        judge=JudgeSettings(model=""),
+        device="cpu",
+    ).encode()
 
 
 async def setup_policy(
@@ -65,25 +80,15 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     asyncio.run(setup_policy(url, embedded_model, {"train": TRAIN, "gate": {"holdout_fraction": 0.0}}))
     trained = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--policy",
-            POLICY,
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--device",
-            "cpu",
-        ],
-        env={**_env(), "KAIZEN_DATABASE_URL": url},
+        [sys.executable, "-m", "trainer.learner"],
+        input=job(url, tmp_path / "data", embedded_model),
+        env=_env(),
         cwd=REPO,
         capture_output=True,
-        text=True,
         timeout=600,
         check=False,
     )
-    assert trained.returncode == 0, trained.stderr[-4000:]
+    assert trained.returncode == 0, trained.stderr.decode()[-4000:]
 
     async def adapters() -> list[tuple[int, str, str]]:
         database = Database(url)
@@ -99,7 +104,8 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert status == "candidate"
     assert Path(path).is_relative_to(tmp_path / "data") and (Path(path) / "adapter_config.json").is_file()
 
-    # The same data again: `kaizen train` (settings from flags) runs, finds nothing new and exits 3.
+    # The same data again: `kaizen train` (settings from flags and the environment) runs, finds nothing new and
+    # exits 3.
     again = subprocess.run(
         [
             sys.executable,
@@ -112,10 +118,8 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
             f"sqlite:///{tmp_path / 'kaizen.db'}",
             "--data-dir",
             str(tmp_path / "data"),
-            "--train-sampler",
-            "local",
         ],
-        env=_env(),
+        env={**_env(), "KAIZEN_TRAIN_SAMPLER": "local"},
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -166,9 +170,8 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     long_run = {**TRAIN, "epochs": 10_000}  # far longer than the test waits
     asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
     data = tmp_path / "data"
-    flags = ["--policy", POLICY]
-    if "trainer" in command:
-        flags += ["--data-dir", str(data)]
+    learner = command == ["-m", "trainer.learner"]
+    flags = [] if learner else ["--policy", POLICY]
     env = {
         **_env(),
         "KAIZEN_DATABASE_URL": url,
@@ -183,6 +186,7 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
         # The worker's training child writes its steps to the policy's training log.
         steps_log=data / "logs" / f"train-{POLICY}.log" if "worker" in command else None,
         sigint_ignored=sigint_ignored,
+        stdin=job(url, data, embedded_model) if learner else None,
     )
     assert stopped.returncode == 128 + signum, stopped.output[-4000:]
     assert "Traceback" not in stopped.output, stopped.output[-4000:]
@@ -190,3 +194,22 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     assert (run["status"], run["error"]) == ("failed", error)
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
     assert asyncio.run(fetch_rows(url, "SELECT version FROM adapters")) == []  # no candidate
+
+
+@pytest.mark.parametrize(
+    "stdin", [b"", b"{not json\n", b'{"policy": "p"}\n'], ids=["none", "malformed", "partial"]
+)
+def test_the_learner_refuses_a_missing_or_malformed_job(stdin: bytes) -> None:
+    """No job, or one it cannot read, is a clear error line and exit 2 before anything is loaded."""
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.learner"],
+        input=stdin,
+        env=_env(),
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == BAD_JOB, done.stderr.decode()[-4000:]
+    assert b"no training job on stdin" in done.stderr
+    assert b"Traceback" not in done.stderr

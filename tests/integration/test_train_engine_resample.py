@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from gateway.commands.judge import judge_settings
 from gateway.scheduling import gate_url
 from storage.database import Database
 from tests.conftest import VLLMServer, query
@@ -110,7 +109,7 @@ def test_resampled_replies_come_from_the_engine_with_exact_tokens_and_are_not_lo
             "engine-resample",
             settings.data_dir,
             str(embedded_model),
-            scorer=PolicyReplyScorer(Scorer(reward_config, judge_settings(settings)), "engine-resample"),
+            scorer=PolicyReplyScorer(Scorer(reward_config, settings.judge()), "engine-resample"),
             sampler=endpoint,
             device="cpu",
         )

@@ -1,5 +1,5 @@
 """The admin API's train trigger with a body: one run's `TrainConfig` overrides and data window, validated before
-anything starts, and handed to the training child as `python -m trainer.learner` reads them."""
+anything starts, and handed to the training child in its job."""
 
 from __future__ import annotations
 
@@ -15,20 +15,8 @@ from storage.database import Database
 from storage.policies import create_policy
 from tests.conftest import query
 from tests.support.polling import wait_until
-from trainer.control.scheduler import TrainOptions
-from trainer.learner.train_command import build_parser, inputs_from_arguments
 
 ADMIN = {"Authorization": "Bearer admin-key"}
-
-
-def test_train_options_reach_the_trainer_as_its_own_flags() -> None:
-    since = datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
-    options = TrainOptions({"mode": "warm_start", "group_size": 4, "tags": ["a b", "c=d"]}, since)
-    args = build_parser().parse_args(["--policy", "p", "--data-dir", "d", *options.argv()])
-    inputs = inputs_from_arguments(args, {"KAIZEN_DATABASE_URL": "sqlite+aiosqlite:///x.db"})
-    assert inputs.overrides == {"mode": "warm_start", "group_size": 4, "tags": ["a b", "c=d"]}
-    assert inputs.since == since
-    assert TrainOptions().argv() == []
 
 
 def test_a_train_body_is_validated_then_applied_to_the_run(

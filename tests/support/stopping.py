@@ -43,10 +43,11 @@ def stop_mid_run(
     steps_log: Path | None = None,
     sigint_ignored: bool = False,
     start_timeout_s: float = 240,
+    stdin: bytes | None = None,
 ) -> Stopped:
-    """Start `argv` in a session of its own (its output to `log_path`), wait for its first optimizer step in
-    `steps_log` (default: its own output), send it `signum`, and wait for it and for every process that shares its
-    `KAIZEN_DATA_DIR` to exit; whatever is left is killed and fails the test."""
+    """Start `argv` in a session of its own (its output to `log_path`, `stdin` on its input), wait for its first
+    optimizer step in `steps_log` (default: its own output), send it `signum`, and wait for it and for every
+    process that shares its `KAIZEN_DATA_DIR` to exit; whatever is left is killed and fails the test."""
     steps = steps_log or log_path
     marker = f"KAIZEN_DATA_DIR={env['KAIZEN_DATA_DIR']}"
     with log_path.open("wb") as log:
@@ -54,11 +55,16 @@ def stop_mid_run(
             argv,
             env=env,
             cwd=REPO,
+            stdin=subprocess.PIPE if stdin is not None else None,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=ignore_sigint if sigint_ignored else default_sigint,  # noqa: PLW1509 (no threads in the child yet)
         )
+    if stdin is not None:
+        assert process.stdin is not None
+        process.stdin.write(stdin)
+        process.stdin.close()
     try:
         wait_until(
             lambda: (steps.is_file() and "step 1/" in steps.read_text()) or process.poll() is not None,

@@ -4,7 +4,7 @@ reads from the environment torchrun gives it. No torch here: the gateway builds 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -30,11 +30,11 @@ def ranks_from_environment(env: Mapping[str, str] | None = None) -> Ranks | None
     return Ranks(int(env["RANK"]), world, int(env.get("LOCAL_RANK", "0")))
 
 
-def torchrun_command(python: str, processes: int, trainer_arguments: Sequence[str]) -> list[str]:
-    """`python -m trainer.learner ...` as `processes` processes on this machine (one per GPU), through torchrun as
-    `trainer.learner.torchrun` wraps it: a stop by signal or a failed run ends in a log line and an exit status, not a
-    traceback."""
+def torchrun_command(python: str, processes: int) -> list[str]:
+    """`python -m trainer.learner` as `processes` processes on this machine (one per GPU), through torchrun as
+    `trainer.learner.torchrun` wraps it: a stop by signal or a failed run ends in a log line and an exit status,
+    not a traceback. Every process inherits the launcher's stdin; rank 0 reads the job from it."""
     return [
         python, "-m", "trainer.learner.torchrun", "--standalone", "--nproc-per-node", str(processes),
-        "-m", "trainer.learner", *trainer_arguments,
+        "-m", "trainer.learner",
     ]  # fmt: skip

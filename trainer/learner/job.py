@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from storage.database import Database
-from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
+from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
 from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, get_policy, next_version
 from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
 from trainer.control.gate import is_held_out
@@ -71,6 +70,8 @@ class TrainRequest:
     device: str | None = None
     #: This process is rank 0 of several training processes (torchrun); the others run `follow`.
     followers: Followers | None = None
+    #: Train under this owner's job lock (the scheduler's job holds it); None: take the policy's lock.
+    lock_owner: str | None = None
 
 
 @dataclass
@@ -141,7 +142,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     if cfg.grouping == "resample" and cfg.mode != "sft" and request.scorer is None:
         raise ValueError("`resample` grouping needs a scorer for the generated replies; none is configured")
     # The scheduler's training child runs under the lock of the job that started it.
-    inherited = os.environ.get(OWNER_ENV)
+    inherited = request.lock_owner
     owner = inherited or lock_owner()
     async with db.session() as session:
         if inherited:
@@ -247,7 +248,7 @@ async def _train(
     device = torch.device(request.device) if request.device else pick_device()
     if ranks is not None:
         device = torch.device("cuda", ranks.local_rank) if device.type == "cuda" else device
-    loading = ("load", request.base_model_path, adapter_path, cfg.model_dump(mode="json"))
+    loading = ("load", request.base_model_path, adapter_path, cfg.model_dump(mode="json"), device.type)
     await _tell_followers(loading, request.followers)
     model, tokenizer = await asyncio.to_thread(
         load_policy, request.base_model_path, adapter_path, cfg, device
@@ -403,22 +404,21 @@ async def _tell_followers(message: Any, followers: Followers | None) -> None:
         await asyncio.to_thread(followers.tell, message)
 
 
-def follow(ranks: Ranks, device_name: str | None = None) -> None:
-    """A training process other than rank 0: load what rank 0 loads, train on the samples it sends, hand the
-    weights back. It never touches the database; rank 0 holds the lock and records the run."""
+def follow(ranks: Ranks) -> None:
+    """A training process other than rank 0: load what rank 0 loads (on the kind of device rank 0 trains on),
+    train on the samples it sends, hand the weights back. It never touches the database; rank 0 holds the lock
+    and records the run."""
     import torch
 
     from trainer.control.policy_config import TrainConfig
     from trainer.learner.distributed import share
-    from trainer.learner.model import load_policy, pick_device
+    from trainer.learner.model import load_policy
 
-    device = torch.device(device_name) if device_name else pick_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", ranks.local_rank)
     told = share(None, ranks)
     if told is None:
         return
-    _, base_model_path, adapter_path, dumped = told
+    _, base_model_path, adapter_path, dumped, device_type = told
+    device = torch.device("cuda", ranks.local_rank) if device_type == "cuda" else torch.device(device_type)
     cfg = TrainConfig.model_validate(dumped)
     model, tokenizer = load_policy(base_model_path, adapter_path, cfg, device)
     told = share(None, ranks)
