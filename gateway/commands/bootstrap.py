@@ -29,6 +29,12 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from gateway.commands.options import (
+    add_common_options,
+    configure_logging,
+    load_settings,
+    quiet_per_request_loggers,
+)
 from gateway.settings import Settings
 
 log = logging.getLogger("kaizen")
@@ -84,7 +90,12 @@ class BootstrapReport:
     notes: list[str] = field(default_factory=list)
 
 
-def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "bootstrap",
+        help="Cold start a policy without traffic: a model writes scenarios for --task, the policy attempts "
+        "each through the gateway (episodes of source `bootstrap`), its scorer scores them, and it trains.",
+    )
     parser.add_argument("--policy", required=True, help="Policy to bootstrap (it must exist).")
     parser.add_argument("--task", required=True, help="Plain-English description of what the policy is for.")
     parser.add_argument("--scenarios", type=int, default=24, help="Scenarios to write (default 24).")
@@ -124,6 +135,8 @@ def add_bootstrap_arguments(parser: argparse.ArgumentParser) -> None:
         "--gateway-url",
         help="The gateway to bootstrap through (default: this one, as KAIZEN_GATE_URL or host and port).",
     )
+    add_common_options(parser)
+    parser.set_defaults(func=bootstrap_command)
 
 
 def options_from_arguments(args: argparse.Namespace, settings: Settings) -> BootstrapOptions:
@@ -344,14 +357,16 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
     return report
 
 
-def run_bootstrap(settings: Settings, args: argparse.Namespace) -> int:
+def bootstrap_command(args: argparse.Namespace) -> int:
     """Exit 0 when a candidate was promoted (or, with --no-train, the scenarios were scored), 3 otherwise."""
     from gateway.client import KaizenError
-    from gateway.commands.judge import judge_settings
     from trainer.control.scenarios import ScenarioError
 
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    quiet_per_request_loggers("httpx", "openai", "LiteLLM")
     options = options_from_arguments(args, settings)
-    judge = judge_settings(settings)
+    judge = settings.judge()
     writer = replace(
         judge,
         model=args.writer_model or judge.model,

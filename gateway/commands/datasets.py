@@ -14,13 +14,31 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.commands.judge import parse_since
-from gateway.settings import Settings
+from gateway.commands.options import add_common_options, configure_logging, load_settings, parse_since
 
 log = logging.getLogger("kaizen")
 
 
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = commands.add_parser(
+        "export",
+        help="Write episodes (messages, tools, rewards, provenance) to Parquet or JSON lines, in Kaizen's schema "
+        "or OpenAI's fine-tuning chat format; streamed, with a progress bar.",
+    )
+    _add_export_arguments(export)
+    add_common_options(export)
+    export.set_defaults(func=export_command)
+    importing = commands.add_parser(
+        "import",
+        help="Store conversations (OpenAI chat JSON lines, optionally rewarded) as episodes of a policy "
+        "(source `import`); validated first, idempotent.",
+    )
+    _add_import_arguments(importing)
+    add_common_options(importing)
+    importing.set_defaults(func=import_command)
+
+
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", type=Path, help="The file to write (.parquet or .jsonl).")
     parser.add_argument(
         "--format",
@@ -52,12 +70,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=500, help="Episodes read and written at a time.")
 
 
-def run_export(settings: Settings, args: argparse.Namespace) -> int:
+def export_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from storage.export import ExportFilter, Format, count_episodes, export_episodes
     from storage.schema import open_database
 
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     fmt: Format = args.format or ("jsonl" if args.out.suffix.lower() in (".jsonl", ".ndjson") else "parquet")
@@ -98,7 +118,7 @@ def run_export(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def add_import_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "file", type=Path, help="JSON lines in OpenAI's chat format, one conversation a line."
     )
@@ -115,10 +135,12 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=500, help="Conversations stored per transaction.")
 
 
-def run_import(settings: Settings, args: argparse.Namespace) -> int:
+def import_command(args: argparse.Namespace) -> int:
     from gateway.commands.conversation_import import ImportFailed, import_conversations
     from storage.schema import open_database
 
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     if not args.file.is_file():

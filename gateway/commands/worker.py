@@ -3,12 +3,14 @@ KAIZEN_SCHEDULER=false, or keep it: one job per policy runs at a time whoever st
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import signal
 import sys
 
+from gateway.commands.options import add_common_options, configure_logging, load_settings
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
 from storage.policies import list_policies
@@ -19,6 +21,30 @@ log = logging.getLogger("kaizen")
 
 #: Exit status of `--once` when a policy's job was skipped because another job of it was running.
 BUSY_EXIT = 75
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    worker = commands.add_parser(
+        "worker", help="Run the policies' scheduled jobs (judge, train, retention) without serving."
+    )
+    worker.add_argument(
+        "--once",
+        choices=["judge", "train", "retention"],
+        help="Run this job now for every policy (or --policy) and exit; prints one JSON line per run.",
+    )
+    worker.add_argument("--policy", help="With --once: only this policy.")
+    add_common_options(worker)
+    worker.set_defaults(func=worker_command)
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    """Run the schedules without serving (set KAIZEN_SCHEDULER=false on the gateways), or with `--once KIND` run
+    one job of each policy (or of `--policy`) now and exit."""
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+    if args.once:
+        return run_once(settings, args.once, args.policy)
+    return run_worker(settings)
 
 
 def run_worker(settings: Settings) -> int:

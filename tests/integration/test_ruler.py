@@ -230,7 +230,11 @@ def converse(gw: GatewayServer, text: str, group: str) -> str:
 
 
 def test_judge_command_scores_groups_and_isolates_failures(
-    make_gateway: MakeGateway, database_url: str, judge: ScriptedJudge, capsys: pytest.CaptureFixture[str]
+    make_gateway: MakeGateway,
+    database_url: str,
+    judge: ScriptedJudge,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gw = make_gateway(database_url)
     good = [converse(gw, "good answer", "task-1"), converse(gw, "good again", "task-1")]
@@ -241,21 +245,11 @@ def test_judge_command_scores_groups_and_isolates_failures(
     # Explicit feedback on one episode: under the default rule it wins over the judge.
     assert httpx.post(gw.url + "/v1/feedback", json={"episode_id": bad, "value": 1}).status_code == 200
 
-    args = [
-        "judge",
-        "--policy",
-        "scripted-1",
-        "--database-url",
-        database_url,
-        "--judge-model",
-        "judge-x",
-        "--judge-api-base",
-        judge.url,
-        "--judge-max-retries",
-        "1",
-        "--limit",
-        "5",
-    ]
+    # The judge is configured as a gateway's is: by the environment (or the TOML file).
+    monkeypatch.setenv("KAIZEN_JUDGE_MODEL", "judge-x")
+    monkeypatch.setenv("KAIZEN_JUDGE_API_BASE", judge.url)
+    monkeypatch.setenv("KAIZEN_JUDGE_MAX_RETRIES", "1")
+    args = ["judge", "--policy", "scripted-1", "--database-url", database_url, "--limit", "5"]
     assert main(args) == 0
     rows = query(database_url, "SELECT * FROM rewards WHERE source = 'judge' ORDER BY episode_id")
     by_episode = {r["episode_id"]: r for r in rows}
@@ -323,7 +317,7 @@ def test_weighted_rule_and_reward_function(
 
 
 def test_scoring_webhook_is_signed_and_retried(
-    make_gateway: MakeGateway, tmp_path: Any, judge: ScriptedJudge
+    make_gateway: MakeGateway, tmp_path: Any, judge: ScriptedJudge, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"sqlite:///{tmp_path}/hook.db"
     gw = make_gateway(url)
@@ -332,7 +326,8 @@ def test_scoring_webhook_is_signed_and_retried(
     episode_id = converse(gw, "score me", "g")
     gw.flush()
     judge.webhook_script.append(503)
-    args = ["judge", "--policy", "scripted-1", "--database-url", url, "--feedback-secret", "s3cret"]
+    monkeypatch.setenv("KAIZEN_FEEDBACK_SECRET", "s3cret")
+    args = ["judge", "--policy", "scripted-1", "--database-url", url]
     assert main(args) == 0
     assert len(judge.webhook_calls) == 2  # the 503 was retried
     body, headers = judge.webhook_calls[-1]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gateway.commands.main import configure_logging
+from gateway.commands.options import configure_logging
 from gateway.demo.runner import DemoOptions, demo_main
 
 #: No scheduled job: the test is about the traffic and the report, not the loop.

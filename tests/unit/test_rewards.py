@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from gateway.commands.judge import parse_since
+from gateway.commands.options import parse_since
 from gateway.errors import InvalidRequest
 from gateway.feedback import to_number
 from gateway.signing import Signature, SignatureError, sign, verify

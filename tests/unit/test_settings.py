@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 import pytest
 
-from gateway.commands.main import build_parser, settings_table
+from gateway.commands.main import build_parser
+from gateway.commands.options import settings_table
 from gateway.exposure import open_exposure
 from gateway.settings import Settings, async_database_url
 
@@ -73,3 +75,35 @@ def test_every_setting_is_a_serve_flag_and_documented() -> None:
     )
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in serve_help
+
+
+def _leaves(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every runnable command's parser, by its words (`("keys", "create")`)."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        return {path: parser}
+    found: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for name, child in subparsers[0].choices.items():
+        found.update(_leaves(child, (*path, name)))
+    return found
+
+
+def test_each_command_lists_its_own_options_and_the_common_three() -> None:
+    """`kaizen keys create --help` once listed all of the server's settings; now only `serve` has them."""
+    common = {"--config", "--data-dir", "--database-url"}
+    settings_flags = {"--" + name.replace("_", "-") for name in Settings.model_fields} - common
+    leaves = _leaves(build_parser())
+    assert ("keys", "create") in leaves and ("serve",) in leaves
+    for words, parser in leaves.items():
+        flags = {flag for action in parser._actions for flag in action.option_strings}
+        if words == ("serve",):
+            assert settings_flags <= flags
+        elif words != ("settings",):
+            assert common <= flags, words
+            # A command may take a setting it is about (`policy create --base-model`), never the server's.
+            assert len(flags & settings_flags) <= 1, (words, sorted(flags & settings_flags))
+    create_help = leaves[("keys", "create")].format_help()
+    assert "--port" not in create_help and "--judge-model" not in create_help
+    assert "--base-model" in leaves[("policy", "create")].format_help()
