@@ -13,6 +13,7 @@ import httpx
 import openai
 from sqlalchemy import update
 
+from gateway.housekeeping import Housekeeping
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.models import Call, Episode
@@ -20,8 +21,6 @@ from tests.conftest import query
 from tests.integration.test_chat_capture import calls, client
 from tests.support.gateway_server import GatewayServer
 from tests.support.postgres import PostgresServer
-from trainer.control.ruler import JudgeSettings
-from trainer.control.scheduler import JobRunner, RunnerConfig
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -185,23 +184,13 @@ def test_database_outage_loses_nothing(make_gateway: MakeGateway, postgres: Post
     assert {r["id"] for r in rows} >= set(ids)
 
 
-def test_retention_prunes_calls_no_policy_owns(
-    make_gateway: MakeGateway, database_url: str, tmp_path: Path
-) -> None:
+def test_retention_prunes_calls_no_policy_owns(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url)
     old_episode, old_call = converse(gw, [{"role": "user", "content": "confidential old text"}])
     new_episode, new_call = converse(gw, [{"role": "user", "content": "recent text"}])
     gw.flush()
     assert len(calls(gw, database_url)) == 2
     assert query(database_url, "SELECT name FROM policies") == []  # an upstream model: no policy row
-    config = RunnerConfig(
-        data_dir=tmp_path,
-        judge=JudgeSettings(model=""),
-        train_command=[],
-        child_env={},
-        gate_url="http://127.0.0.1:9/v1",
-        retention_calls_days=30,
-    )
 
     async def prune() -> tuple[int, int]:
         database = Database(async_database_url(database_url))
@@ -211,7 +200,7 @@ def test_retention_prunes_calls_no_policy_owns(
                 await session.execute(update(Call).where(Call.id == old_call).values(created_at=old))
                 await session.execute(update(Episode).where(Episode.id == old_episode).values(created_at=old))
                 await session.commit()
-            return await JobRunner(database, config).prune_unowned_calls()
+            return await Housekeeping(database, 30, None).prune_unowned_calls()
         finally:
             await database.dispose()
 

@@ -389,8 +389,7 @@ def _runner_config(tmp_path: Path) -> RunnerConfig:
     return RunnerConfig(
         data_dir=tmp_path,
         judge=JudgeSettings(model=""),
+        database_url="",  # trains nothing
         train_command=[],
-        child_env={},
         gate_url="http://127.0.0.1:9/v1",
-        retention_cron=None,
     )

@@ -40,8 +40,8 @@ def runner(database: Database, data_dir: Path) -> JobRunner:
     config = RunnerConfig(
         data_dir=data_dir,
         judge=JudgeSettings(model=""),
-        train_command=[sys.executable, "-m", "trainer.learner", "--data-dir", str(data_dir)],
-        child_env={},
+        database_url=database.url,
+        train_command=[sys.executable, "-m", "trainer.learner"],
         gate_url="http://127.0.0.1:9/v1",
     )
     return JobRunner(database, config)
@@ -240,8 +240,8 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
             config = RunnerConfig(
                 data_dir=tmp_path,
                 judge=JudgeSettings(model=""),
+                database_url=database.url,
                 train_command=[sys.executable, "-c", child, f"{root}/child"],
-                child_env={},
                 gate_url="http://127.0.0.1:9/v1",
                 engine_url=f"{root}/v1",
                 sleep_engine=True,
@@ -324,7 +324,7 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
                     f"{root}/child",
                     str(pid_file),
                 ],
-                child_env={},
+                database_url=database.url,
                 gate_url="http://127.0.0.1:9/v1",
                 engine_url=f"{root}/v1",
                 sleep_engine=True,
@@ -476,8 +476,9 @@ def test_retention_never_touches_active_pinned_or_rollback_versions(
 
 
 def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
-    from gateway.scheduling import child_env, gate_url, train_command
-    from trainer.learner.train_command import build_parser, inputs_from_arguments
+    from gateway.scheduling import gate_url, runner_config
+    from trainer.control.scheduler import TrainOptions
+    from trainer.control.training_job import decode_job
 
     settings = Settings.load(
         data_dir=tmp_path,
@@ -489,29 +490,40 @@ def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
         judge_api_key="judge-secret",
         feedback_secret="hook-secret",
     )
-    env = child_env(settings)
-    assert env["KAIZEN_API_KEYS"] == "k1,k2" and env["KAIZEN_SCHEDULER"] == "false"
-    assert env["KAIZEN_DATA_DIR"] == str(tmp_path.resolve())
+    config = runner_config(settings)
     assert gate_url(settings) == "http://127.0.0.1:8123/v1"
-    # The child is the trainer's own entry point; secrets reach it through the environment, never argv.
-    argv = train_command(settings)
-    assert argv[1:3] == ["-m", "trainer.learner"]
-    assert not {"k1", "judge-secret", "hook-secret", settings.database_url} & set(argv)
-    inputs = inputs_from_arguments(build_parser().parse_args([*argv[3:], "--policy", "p"]), env)
-    assert (inputs.policy, inputs.data_dir, inputs.database_url) == (
+    # The child is the trainer's own entry point, with nothing in argv: everything, secrets included, is its job.
+    assert config.train_command == [sys.executable, "-m", "trainer.learner"]
+    since = datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
+    options = TrainOptions({"mode": "warm_start", "tags": ["a b", "c=d"]}, since, "cpu")
+    job = decode_job(config.training_job("p", "/models/base", options, lock_owner="host:1:abc").encode())
+    assert (job.policy, job.data_dir, job.database_url, job.base_model) == (
         "p",
-        tmp_path.resolve(),
+        str(tmp_path.resolve()),
         settings.database_url,
+        "/models/base",
     )
-    assert (inputs.judge.model, inputs.judge.api_key, inputs.webhook_secret) == (
+    assert (job.judge.model, job.judge.api_key, job.webhook_secret) == (
         "judge-m",
         "judge-secret",
         "hook-secret",
     )
-    assert inputs.engine is not None and (inputs.engine.base_url, inputs.engine.api_key) == (
+    assert (job.engine_url, job.engine_api_key, job.engine_max_n) == (
         gate_url(settings),
         "k1",
+        settings.max_n,
     )
+    assert (job.overrides, job.since, job.device) == (
+        {"mode": "warm_start", "tags": ["a b", "c=d"]},
+        since,
+        "cpu",
+    )
+    assert job.lock_owner == "host:1:abc"
+    asleep = runner_config(settings.model_copy(update={"engine_sleep_during_training": True}))
+    assert asleep.training_job("p", "b", TrainOptions()).engine_url is None  # a sleeping engine cannot answer
+    several = runner_config(settings.model_copy(update={"train_processes": 2}))
+    assert several.train_command[1:3] == ["-m", "trainer.learner.torchrun"]
+    assert several.train_command[-2:] == ["-m", "trainer.learner"]
 
 
 def test_admin_api_triggers_lists_and_pauses(make_gateway: Callable[..., Any], database_url: str) -> None:

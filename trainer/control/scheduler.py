@@ -40,23 +40,21 @@ from storage.jobs import (
     start_job_run,
     update_run,
 )
-from storage.locks import OWNER_ENV, acquire_lock, heartbeat, lock_owner, release_lock
-from storage.partitions import DroppedDays, drop_expired_partitions, ensure_partitions
+from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock
+from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
-from storage.rollups import REFRESH_INTERVAL_S, refresh_if_stale
 from storage.training import last_data_cutoff
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scoring import Scorer
+from trainer.control.training_job import TrainingJob
 
 logger = logging.getLogger(__name__)
 
 JobKind = Literal["judge", "train", "retention"]
-#: The job lock of the retention of calls no policy owns ('/' cannot be in a policy's name).
-UNOWNED_RETENTION_LOCK = "/retention"
 #: vLLM's sleep-mode endpoints around a training child: level 1 moves the weights to host memory and drops the
 #: KV cache; `mode=wait` drains the calls in flight and queues new ones until the wake.
 ENGINE_SLEEP_PATH = "/sleep?level=1&mode=wait"
@@ -73,45 +71,68 @@ class JobAlreadyRan(JobBusy):
 
 
 @dataclass(frozen=True)
+class TrainOptions:
+    """One training run's own choices on top of the policy's `train` configuration (the admin API's train
+    body, `kaizen train`'s flags): `TrainConfig` overrides, where its data window starts, and its device."""
+
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    since: datetime | None = None
+    device: str | None = None
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """What jobs need from the process settings (built by the gateway; the trainer never reads settings)."""
 
     data_dir: Path
+    database_url: str
     judge: JudgeSettings
-    #: argv of the training child, before `--policy P --base-model B` (`python -m trainer.learner ...`, see
-    #: trainer.learner.train_command).
+    #: argv of the training child: `python -m trainer.learner`, or torchrun around it (`trainer.control.launch`).
+    #: Its `TrainingJob` goes on its stdin.
     train_command: Sequence[str]
-    #: Environment of the training child: where it finds the secrets it needs (see trainer.learner.train_command).
-    child_env: Mapping[str, str]
     #: OpenAI-compatible URL the gate samples both versions through (the gateway's own /v1).
     gate_url: str
+    #: The key the gate, and the training child's resampling, present to the gateway.
     gate_api_key: str | None = None
     webhook_secret: str = ""
+    #: `resample` grouping samples through the gateway at `gate_url` (vLLM's exact token ids and behaviour
+    #: logprobs); off: with the trainer's own copy of the adapter.
+    resample_through_gateway: bool = True
+    #: The gateway's largest `n` per call.
+    max_n: int = 16
     #: The engine's own /v1 URL: put to sleep during training when `sleep_engine` (vLLM on a GPU only).
     engine_url: str | None = None
     sleep_engine: bool = False
     train_timeout_s: float = 6 * 3600.0
     lock_ttl_s: float = 60.0
-    #: Age after which calls no policy row owns are deleted (0: kept), and when that runs (None: never).
+    #: Age after which calls no policy row owns are deleted (0: kept): a day partition holding one of them is
+    #: dropped by a policy's retention only past it.
     retention_calls_days: float = 90.0
-    retention_cron: str | None = "30 4 * * *"
     #: Maps a policy's base model to what the child loads (a local directory, or a Hugging Face id passed
     #: through); runs in a thread, as it may build an embedded model on first use.
     base_model_path: Callable[[str], str] = str
+    log_level: str = "info"
 
-
-@dataclass(frozen=True)
-class TrainOptions:
-    """One training run's own choices on top of the policy's `train` configuration (the admin API's train
-    body): `TrainConfig` overrides, and where its data window starts."""
-
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-    since: datetime | None = None
-
-    def argv(self) -> list[str]:
-        """The same as `python -m trainer.learner` flags (`--set` values are JSON, as the trainer reads them)."""
-        args = [f"--set={key}={json.dumps(value)}" for key, value in self.overrides.items()]
-        return [*args, f"--since={self.since.isoformat()}"] if self.since is not None else args
+    def training_job(
+        self, policy: str, base_model: str, options: TrainOptions, lock_owner: str | None = None
+    ) -> TrainingJob:
+        """The job a training child of `policy` runs; `base_model` is already resolved (`base_model_path`)."""
+        return TrainingJob(
+            policy=policy,
+            database_url=self.database_url,
+            data_dir=str(self.data_dir.resolve()),
+            base_model=base_model,
+            judge=self.judge,
+            webhook_secret=self.webhook_secret,
+            engine_url=self.gate_url if self.resample_through_gateway else None,
+            engine_api_key=self.gate_api_key,
+            engine_max_n=self.max_n,
+            overrides=dict(options.overrides),
+            since=options.since,
+            device=options.device,
+            lock_owner=lock_owner,
+            log_level=self.log_level,
+        )
 
 
 def _now() -> datetime:
@@ -258,7 +279,7 @@ class JobRunner:
         announce(run_id)
         try:
             config = load_policy_config(policy.config).schedule.retention
-            days = await self._drop_expired_days()
+            days = await drop_expired_days(self.database, self.config.retention_calls_days)
             calls = episodes = 0
             async with self.database.session() as session:
                 fresh = await get_policy(session, policy.name)
@@ -287,60 +308,6 @@ class JobRunner:
         logger.info("retention of %s: %s", policy.name, metrics)
         await self._finish(run_id, "succeeded", metrics=metrics)
         return run_id
-
-    async def prune_unowned_calls(self) -> tuple[int, int]:
-        """Delete calls no policy row owns (upstream traffic) older than `retention_calls_days`.
-
-        Returns (calls, episodes) deleted. Idempotent, so replicas running it at once do no harm.
-        """
-        if self.config.retention_calls_days <= 0:
-            return 0, 0
-        days = await self._drop_expired_days()
-        cutoff = _now() - timedelta(days=self.config.retention_calls_days)
-        async with self.database.session() as session:
-            calls, episodes = await prune_calls(session, None, cutoff)
-            await session.commit()
-        calls, episodes = calls + days.calls, episodes + days.episodes
-        async with self.database.session() as session:
-            await checkpoint_wal(session)
-        logger.info("retention of calls no policy owns: %d calls, %d episodes deleted", calls, episodes)
-        return calls, episodes
-
-    async def _drop_expired_days(self) -> DroppedDays:
-        """PostgreSQL: drop the day partitions of `calls` whose every call is past its owner's retention, before
-        the row-by-row deletes (which then find little left)."""
-        now = _now()
-        async with self.database.session() as session:
-            cutoffs: dict[str, datetime | None] = {}
-            for policy in await list_policies(session):
-                try:
-                    days = load_policy_config(policy.config).schedule.retention.calls_days
-                except InvalidPolicyConfig:
-                    days = None  # unreadable: keep its calls
-                cutoffs[policy.name] = now - timedelta(days=days) if days is not None else None
-        unowned_days = self.config.retention_calls_days
-        unowned = now - timedelta(days=unowned_days) if unowned_days > 0 else None
-        async with self.database.engine.connect() as connection:
-            return await drop_expired_partitions(connection, cutoffs, unowned)
-
-    async def scheduled_prune(self) -> None:
-        """`prune_unowned_calls` on its cron, once per firing across every replica: the first scheduler to fire
-        takes a lock that it keeps until the next firing, so the others skip this one. A failure is logged, the
-        next firing retries."""
-        assert self.config.retention_cron is not None
-        now = _now()
-        following = parse_cron(self.config.retention_cron).get_next_fire_time(
-            None, now + timedelta(seconds=1)
-        )
-        hold_s = max((following - now).total_seconds() - 1.0, 1.0) if following is not None else 3600.0
-        try:
-            async with self.database.session() as session:
-                if not await acquire_lock(session, UNOWNED_RETENTION_LOCK, lock_owner(), "retention", hold_s):
-                    logger.info("retention of calls no policy owns ran elsewhere for this firing")
-                    return
-            await self.prune_unowned_calls()
-        except Exception:
-            logger.exception("retention of calls no policy owns failed")
 
     # ------------------------------------------------------------------ training
     async def _train(
@@ -398,22 +365,20 @@ class JobRunner:
             base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
         except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
             return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
-        argv = [
-            *self.config.train_command,
-            "--policy",
-            policy.name,
-            "--base-model",
-            base_model,
-            *options.argv(),
-        ]
+        job = self.config.training_job(policy.name, base_model, options, lock_owner=owner)
+        argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         process = await asyncio.create_subprocess_exec(
             *argv,
-            env={**self.config.child_env, OWNER_ENV: owner},  # the child trains under this job's lock
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
         )
+        assert process.stdin is not None
+        with contextlib.suppress(ConnectionError):  # a child that died at once: its exit status tells
+            process.stdin.write(job.encode())
+            await process.stdin.drain()
+        process.stdin.close()
         tail: collections.deque[str] = collections.deque(maxlen=40)
 
         async def pump() -> None:
@@ -531,6 +496,24 @@ class JobRunner:
         return result
 
 
+async def drop_expired_days(database: Database, unowned_days: float) -> DroppedDays:
+    """PostgreSQL: drop the day partitions of `calls` whose every call is past its owner's retention (each
+    policy's `schedule.retention.calls_days`, `unowned_days` for calls no policy owns; 0 keeps them), before the
+    row-by-row deletes of a retention job (which then find little left)."""
+    now = _now()
+    async with database.session() as session:
+        cutoffs: dict[str, datetime | None] = {}
+        for policy in await list_policies(session):
+            try:
+                days = load_policy_config(policy.config).schedule.retention.calls_days
+            except InvalidPolicyConfig:
+                days = None  # unreadable: keep its calls
+            cutoffs[policy.name] = now - timedelta(days=days) if days is not None else None
+    unowned = now - timedelta(days=unowned_days) if unowned_days > 0 else None
+    async with database.engine.connect() as connection:
+        return await drop_expired_partitions(connection, cutoffs, unowned)
+
+
 def _remove_dirs(store: Path, paths: Sequence[str]) -> None:
     """Delete pruned versions' directories, never anything outside the adapter store."""
     root = store.resolve()
@@ -636,29 +619,7 @@ class PolicyScheduler:
         self._scheduler.add_job(
             self.sync, "interval", seconds=self.refresh_s, id="kaizen:sync", next_run_time=_now()
         )
-        self._scheduler.add_job(
-            self.roll_up, "interval", seconds=REFRESH_INTERVAL_S, id="kaizen:rollups", next_run_time=_now()
-        )
-        if self.runner.config.retention_cron:
-            self._scheduler.add_job(
-                self.runner.scheduled_prune,
-                parse_cron(self.runner.config.retention_cron),
-                id="kaizen:retention",
-            )
-        self._scheduler.add_job(
-            self.create_partitions, "interval", hours=6, id="kaizen:partitions", next_run_time=_now()
-        )
         logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
-
-    async def create_partitions(self) -> None:
-        """PostgreSQL: keep the day partitions of `calls` ready ahead of the clock (a long-running process never
-        re-runs its start-up's creation). Idempotent; every replica's scheduler may run it."""
-        try:
-            async with self.database.engine.connect() as connection:
-                await ensure_partitions(connection, _now().date())
-                await connection.commit()
-        except Exception:
-            logger.exception("could not create the coming days' call partitions")
 
     async def stop(self) -> None:
         """No new firings, then the running jobs end through the runner (a training child killed, its run
@@ -670,14 +631,6 @@ class PolicyScheduler:
         if self._scheduler is not None:
             self._scheduler.shutdown(wait=False)
             self._scheduler = None
-
-    async def roll_up(self) -> None:
-        """Keep the dashboard's rollup current (one replica at a time; the others find it busy or fresh)."""
-        try:
-            # Half the interval: a run a moment early must not find the last one just fresh enough.
-            await refresh_if_stale(self.database, REFRESH_INTERVAL_S / 2)
-        except Exception:
-            logger.exception("could not refresh the dashboard's rollups")
 
     def jobs(self) -> list[tuple[str, datetime | None]]:
         """(job id, next run time) of every policy job, for inspection."""
