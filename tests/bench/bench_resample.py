@@ -49,9 +49,9 @@ class InstantScorer:
     """Scores every reply 0 without waiting: the benchmark times sampling only."""
 
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
-        return [0.0] * len(replies)
+        return [0.0] * len(conversations)
 
 
 async def resample_once(

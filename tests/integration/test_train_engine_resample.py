@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ from tests.integration.test_gate import make_policy, rewarded_traffic, run
 from tests.support.engine_text import engine_text
 from tests.support.training_data import NO_COLLAPSE_BOUNDS
 from trainer.control.rewards import policy_reward_config
+from trainer.control.rollouts import SampledTurn
 from trainer.control.scoring import Scorer
 from trainer.learner.engine_sampling import EngineEndpoint, EngineSampler
-from trainer.learner.grouping import PolicyReplyScorer, Sample
+from trainer.learner.grouping import PolicyReplyScorer
 from trainer.learner.job import TrainOutcome, TrainRequest, run_training
 
 pytestmark = pytest.mark.vllm
@@ -70,10 +72,16 @@ def captured(server: VLLMServer, name: str) -> list[dict[str, Any]]:
 class RecordingSampler(EngineSampler):
     """The real engine sampler, keeping what it returned so the test can look at the exact tokens."""
 
-    recorded: list[tuple[list[dict[str, Any]], list[Sample]]]
+    recorded: list[tuple[list[dict[str, Any]], list[SampledTurn]]]
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
-        samples = await super().sample(messages, tools, n)
+    async def sample(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        n: int,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[SampledTurn]:
+        samples = await super().sample(messages, tools, n, options)
         self.recorded.append((messages, samples))
         return samples
 

@@ -21,9 +21,9 @@ from tests.support.training_data import RewardedReply, write_rewarded_groups
 from trainer.control.policy_config import TrainConfig, load_policy_config
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scoring import Scorer
-from trainer.learner.grouping import PolicyReplyScorer, Sample
+from trainer.learner.grouping import PolicyReplyScorer
 from trainer.learner.job import TrainingBusy, TrainRequest, run_training
-from trainer.learner.model import LocalSampler, load_policy, pick_device
+from trainer.learner.model import LocalSampler, Sample, load_policy, pick_device
 
 # Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
 pytestmark = pytest.mark.serial

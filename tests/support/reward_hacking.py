@@ -131,9 +131,7 @@ def train_until_collapsed(
                         sample.token_ids,
                         sample.logprobs,
                     )
-                    tokenized = tokenize(trajectory, advantage, tokenizer, cfg, DataReport())
-                    if tokenized is not None:
-                        batch.append(tokenized)
+                    batch.extend(tokenize(trajectory, advantage, tokenizer, cfg, DataReport()))
             if batch:
                 run_update(model, batch, cfg, pad_id=int(tokenizer.pad_token_id), device=device)
                 result.updates += 1

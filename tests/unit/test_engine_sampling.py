@@ -52,6 +52,22 @@ def test_token_id_strings_become_ids_with_their_logprobs() -> None:
     assert (second.text, second.token_ids, second.logprobs) == ("", [7], [-9999.0])
 
 
+def test_a_tool_call_is_kept_as_the_app_would_get_it_with_why_the_reply_ended() -> None:
+    """A resampled tool call was once kept as its (empty) text and scored as an empty answer."""
+    calls = [
+        {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "x"}'}}
+    ]
+    called = choice(0, [(40, -0.1), (2, -0.1)], None)
+    called["message"]["tool_calls"] = calls
+    called["finish_reason"] = "tool_calls"
+    cut = choice(1, [(5, -0.1)], "an unfinished")
+    cut["finish_reason"] = "length"
+    tool, truncated = parse_choices({"choices": [called, cut]}, [1])
+    assert tool.message == {"role": "assistant", "content": None, "tool_calls": calls}
+    assert tool.tool_calls == calls and tool.finish_reason == "tool_calls"
+    assert truncated.finish_reason == "length" and truncated.text == "an unfinished"
+
+
 def test_text_tokens_or_missing_logprobs_are_refused() -> None:
     text_token = {
         "choices": [{"message": {"content": "a"}, "logprobs": {"content": [{"token": "a", "logprob": -1}]}}]
@@ -109,7 +125,8 @@ def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_g
     endpoint = EngineEndpoint(fake_gateway.url, "sk-test", max_n=4, wait_s=10)
     sampler = endpoint.sampler("bot@3", Template(), max_tokens=16, temperature=0.7)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    samples = asyncio.run(sampler.sample([{"role": "user", "content": "q"}], tools, 7))
+    forced = {"tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False}
+    samples = asyncio.run(sampler.sample([{"role": "user", "content": "q"}], tools, 7, forced))
     assert [s.token_ids for s in samples] == [[10, 2], [11, 2], [12, 2], [13, 2], [10, 2], [11, 2], [12, 2]]
     assert all(s.prompt_token_ids == [100, 1, 101] and s.logprobs == [-0.5, -0.1] for s in samples)
     # one 404 (a version the gateway does not know yet) retried, then n=7 split by the gateway's max_n
@@ -117,6 +134,8 @@ def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_g
     headers, body = fake_gateway.requests[-1]
     assert headers["x-kaizen-no-log"] == "true" and headers["authorization"] == "Bearer sk-test"
     assert body["model"] == "bot@3" and body["tools"] == tools
+    # The captured call's options are repeated: a forced tool call is resampled forced, not as `auto`.
+    assert body["tool_choice"] == forced["tool_choice"] and body["parallel_tool_calls"] is False
     assert (
         body["max_tokens"],
         body["temperature"],
@@ -134,7 +153,7 @@ def test_an_unreachable_gateway_fails_naming_the_url_and_the_local_sampler() -> 
     url = f"http://127.0.0.1:{free_port()}/v1"
     sampler = EngineEndpoint(url, wait_s=0.2).sampler("bot@1", Template(), max_tokens=4, temperature=1.0)
     with pytest.raises(EngineSamplingError, match="KAIZEN_TRAIN_SAMPLER=local") as caught:
-        asyncio.run(sampler.sample([{"role": "user", "content": "q"}], None, 2))
+        asyncio.run(sampler.sample([{"role": "user", "content": "q"}], None, 2, {}))
     assert url in str(caught.value)
 
 
@@ -144,8 +163,7 @@ def test_engine_reply_ids_train_on_the_template_context_with_behaviour_logprobs(
     t = trajectory(
         0, 1.0, prompt_token_ids=None, completion_token_ids=[7, 8, 2], completion_logprobs=[-0.1, -0.2, -0.3]
     )
-    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
-    assert sample is not None
+    [sample] = tokenize(t, 1.0, Template(), TrainConfig(), report)
     assert sample.input_ids == [100, 1, 101, 7, 8, 2]
     assert sample.behaviour_logprobs == [None, None, None, -0.1, -0.2, -0.3]
     assert report.as_dict() == {"context_from_template": 1}
@@ -184,7 +202,11 @@ def test_other_scorers_see_only_the_new_replies() -> None:
     function = RecordingScorer("function")
     scores = asyncio.run(
         PolicyReplyScorer(function, "p").score(
-            [{"role": "user", "content": "q"}], ["ab", "abc"], {"role": "assistant", "content": "x"}
+            [
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
+                for reply in ("ab", "abc")
+            ],
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
         )
     )
     assert scores == [2.0, 3.0]

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from trainer.control.policy_config import TrainConfig
+from trainer.control.rollouts import SampledTurn
 from trainer.learner.dataset import DataReport, TrainingExample
-from trainer.learner.grouping import Pool, Sample, allocate, resample_groups
+from trainer.learner.grouping import Pool, allocate, resample_groups
 
 
 def test_every_context_is_first_topped_up_to_the_group_size() -> None:
@@ -51,22 +52,24 @@ class Scripted:
         self.drawn: Counter[str] = Counter()
         self.calls: list[tuple[str, int]] = []
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    async def sample(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int, options: Any
+    ) -> list[SampledTurn]:
         question = messages[-1]["content"]
         self.calls.append((question, n))
         out = []
         for _ in range(n):
             self.drawn[question] += 1
             text = "right" if self.drawn[question] in self.right[question] else "wrong"
-            out.append(Sample(text, [1], [5, 2], [-0.1, -0.1]))
+            out.append(SampledTurn({"role": "assistant", "content": text}, "stop", [1], [5, 2], [-0.1, -0.1]))
         return out
 
 
 class Checker:
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
-        return [float(r == "right") for r in replies]
+        return [float(c[-1]["content"] == "right") for c in conversations]
 
 
 def captured(i: int, question: str, reward: float) -> TrainingExample:
@@ -125,3 +128,59 @@ def test_with_no_budget_only_captured_groups_with_signal_train(budget: int) -> N
     trajectories = [captured(0, "q", 0.0), captured(1, "q", 1.0), captured(2, "r", 0.0)]
     groups, stats = asyncio.run(resample_groups(trajectories, cfg, sampler, Checker(), DataReport()))
     assert [g.key for g in groups] == ["e0"] and stats["replies"] == budget
+
+
+def test_an_agent_episode_is_resampled_whole_from_its_start() -> None:
+    """The captured episode called a tool and answered; its group is rolled out from the question, each
+    attempt calling the tool (for real, or replayed) and answering, and is scored as a whole conversation."""
+    from tests.unit.test_rollouts import TOOLS, USER, Scripted, Tools, asks, call, says
+
+    tool_call = {"role": "assistant", "content": None, "tool_calls": [call('{"key": "zorland"}', "c0")]}
+    result = {"role": "tool", "tool_call_id": "c0", "content": "capital: Quix"}
+    captured_agent = TrainingExample(
+        episode_id="agent",
+        context=[USER, tool_call, result],
+        tools=TOOLS,
+        reply={"role": "assistant", "content": "Quix."},
+        reward=1.0,
+        prompt_token_ids=None,
+        completion_token_ids=[7, 2],
+        completion_logprobs=None,
+        options={"tool_choice": "auto"},
+    )
+    sampler = Scripted(
+        [
+            asks(call('{"key": "zorland"}')),
+            asks(call('{"key": "mars"}')),
+            asks(call('{"x": 1}', name="weather")),  # nobody can answer: dropped
+            says("Quix is the", "length"),  # cut: dropped
+        ],
+        {"capital: Quix": says("Quix."), "error: no entry 'mars'": says("Mars?")},
+    )
+
+    class WholeConversations:
+        def __init__(self) -> None:
+            self.seen: list[list[dict[str, Any]]] = []
+
+        async def score(
+            self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
+        ) -> list[float | None]:
+            self.seen.extend(conversations)
+            return [float(c[-1]["content"] == "Quix.") for c in conversations]
+
+    scorer = WholeConversations()
+    report = DataReport()
+    cfg = TrainConfig(group_size=5, resample_max_group_size=5)
+    [group], stats = asyncio.run(
+        resample_groups([captured_agent], cfg, sampler, scorer, report, tools=Tools())
+    )
+    assert [m.origin for m in group.members] == ["captured", "resampled", "resampled"]
+    assert group.rewards == [1.0, 1.0, 0.0]
+    first = group.members[1]
+    # A rollout is a whole episode: its final turn answers the tool's result, its tool call is an earlier turn.
+    assert first.context == [USER, first.earlier[0].reply, result | {"tool_call_id": "call_1"}]
+    assert first.earlier[0].context == [USER] and first.earlier[0].options == {"tool_choice": "auto"}
+    assert all(len(c) == 4 for c in scorer.seen)  # question, call, result, answer
+    assert report.as_dict()["rollouts_unanswerable"] == 1 and report.as_dict()["rollouts_truncated"] == 1
+    assert stats["rollouts"]["endings"] == {"answered": 2, "truncated": 1, "unanswerable": 1}
+    assert stats["rollouts"]["tool_calls"] == 2

@@ -9,8 +9,9 @@ import pytest
 
 from storage.training import CallRow, EpisodeRow
 from trainer.control.policy_config import InvalidPolicyConfig, TrainConfig, load_policy_config
-from trainer.learner.dataset import DataReport, EarlierTurn, TrainingExample, build_example, select_episodes
-from trainer.learner.grouping import Sample, group_by_column, resample_groups
+from trainer.control.rollouts import SampledTurn
+from trainer.learner.dataset import DataReport, TrainingExample, Turn, build_example, select_episodes
+from trainer.learner.grouping import group_by_column, resample_groups
 from trainer.learner.tokens import tokenize
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -66,12 +67,17 @@ def test_select_filters_and_caps_newest() -> None:
 
 
 def call(position: int, *, status: str = "ok", ids: list[int] | None = None, **kw: Any) -> CallRow:
+    """The call at `position` of a chat loop: each turn's messages extend the last's with its reply and a user
+    turn (`turn 0`, `ok`, `turn 1`, ...)."""
+    messages: list[dict[str, Any]] = []
+    for turn in range(position):
+        messages += [{"role": "user", "content": f"turn {turn}"}, {"role": "assistant", "content": "ok"}]
     base: dict[str, Any] = {
         "id": f"c{position}",
         "episode_id": "e0",
         "position": position,
         "status": status,
-        "request": {"messages": [{"role": "user", "content": f"turn {position}"}]},
+        "request": {"messages": [*messages, {"role": "user", "content": f"turn {position}"}]},
         "response": {"choices": [{"message": {"role": "assistant", "content": "ok", "tool_calls": None}}]},
         "prompt_token_ids": [1, 2],
         "completion_token_ids": [ids or [5, 6]],
@@ -87,10 +93,11 @@ def test_trajectory_is_last_call_plus_reply_and_bad_episodes_are_counted() -> No
     report = DataReport()
     t = build_example(episode(0), [call(0), call(1, ids=[8, 9])], report)
     assert t is not None
-    assert t.context == [{"role": "user", "content": "turn 1"}]
+    assert t.context[-1] == {"role": "user", "content": "turn 1"} and len(t.context) == 3
     assert t.reply == {"role": "assistant", "content": "ok"}
     assert t.completion_token_ids == [8, 9] and t.completion_logprobs == [-1.0, -2.0]
-    assert t.earlier == [EarlierTurn([1, 2], [([5, 6], [-1.0, -2.0])])]
+    first = [{"role": "user", "content": "turn 0"}]
+    assert t.earlier == [Turn(first, {"role": "assistant", "content": "ok"}, [1, 2], [5, 6], [-1.0, -2.0])]
     assert build_example(episode(1), [call(0, status="error")], report) is None
     assert build_example(episode(2), [], report) is None
     # logprobs that do not align with the ids are treated as unknown
@@ -130,18 +137,29 @@ def test_prompt_grouping_uses_context_hash() -> None:
     assert [[m.episode_id for m in g.members] for g in groups] == [["e0", "e1"]]
 
 
+def turn(text: str, ids: list[int], logprobs: list[float] | None, prompt: list[int]) -> SampledTurn:
+    return SampledTurn({"role": "assistant", "content": text}, "stop", prompt, ids, logprobs)
+
+
 class FixedSampler:
     max_concurrency = 64
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
-        return [Sample(f"reply {i}", [1, 2], [10 + i, 2], [-0.5, -0.1]) for i in range(n)]
+    async def sample(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int, options: Any
+    ) -> list[SampledTurn]:
+        return [turn(f"reply {i}", [10 + i, 2], [-0.5, -0.1], [1, 2]) for i in range(n)]
+
+
+def last_text(conversation: list[dict[str, Any]]) -> str:
+    return str(conversation[-1]["content"])
 
 
 class LengthScorer:
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
-        return [None if r.endswith("2") else float(r.endswith("1")) for r in replies]
+        texts = [last_text(c) for c in conversations]
+        return [None if r.endswith("2") else float(r.endswith("1")) for r in texts]
 
 
 def test_resample_keeps_original_reward_and_counts_unscored() -> None:
@@ -170,7 +188,9 @@ class SlowSampler:
         self.in_flight = 0
         self.peak = 0
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    async def sample(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int, options: Any
+    ) -> list[SampledTurn]:
         import asyncio
 
         self.in_flight += 1
@@ -180,16 +200,16 @@ class SlowSampler:
             if content == self.fail_on:
                 raise RuntimeError(f"engine gone while sampling {content}")
             await asyncio.sleep(0.05 / (1 + len(content)))
-            return [Sample(f"{content} {i}", [1], [10 + i, 2], None) for i in range(n)]
+            return [turn(f"{content} {i}", [10 + i, 2], None, [1]) for i in range(n)]
         finally:
             self.in_flight -= 1
 
 
 class IndexScorer:
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
-        return [float(r.split()[-1]) for r in replies]
+        return [float(last_text(c).split()[-1]) for c in conversations]
 
 
 def _contexts(count: int) -> list[Any]:
@@ -241,37 +261,65 @@ class Template:
 
 def test_captured_ids_carry_loss_with_behaviour_logprobs() -> None:
     report = DataReport()
-    sample = tokenize(trajectory(0, 1.0), 0.5, Template(), TrainConfig(), report)
-    assert sample is not None
+    [sample] = tokenize(trajectory(0, 1.0), 0.5, Template(), TrainConfig(), report)
     assert sample.input_ids == [1, 2, 3, 7, 8, 9]
     assert sample.loss_mask == [False, False, False, True, True, True]
     assert sample.behaviour_logprobs == [None, None, None, -0.1, -0.2, -0.3]
     assert sample.advantage == 0.5 and not report.counts
 
 
-def test_earlier_assistant_turns_train_only_where_ids_match() -> None:
-    report = DataReport()
+def test_every_assistant_turn_trains_in_place_or_in_a_sample_of_its_own() -> None:
+    """An agent episode: a tool call the template renders back as sampled trains inside the final sample; one it
+    renders otherwise trains as its own sample (its prompt plus its reply); all carry the episode's advantage."""
+    user = {"role": "user", "content": "q"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "f"}}]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    in_place = Turn([user], call, [1, 2], [5, 6], [-0.4, -0.6])
+    elsewhere = Turn([user, call, result], call, [1, 2, 5, 6, 3, 4], [9, 9], None)
     t = trajectory(
         0,
         1.0,
-        prompt_token_ids=[1, 2, 5, 6, 3, 4],
-        earlier=[
-            EarlierTurn([1, 2], [([9], None), ([5, 6], [-0.4, -0.6])]),
-            EarlierTurn([1, 9], [([5], None)]),
-        ],
+        context=[user, call, result, call, result],
+        prompt_token_ids=[1, 2, 5, 6, 3, 4, 8, 8, 3, 4],
+        earlier=[in_place, elsewhere],
     )
-    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
-    assert sample is not None
-    assert sample.loss_mask == [False, False, True, True, False, False, True, True, True]
-    assert sample.behaviour_logprobs[2:4] == [-0.4, -0.6]
-    assert report.as_dict() == {"earlier_turns_trained": 1, "earlier_turns_unmatched": 1}
+    report = DataReport()
+    own, final = tokenize(t, 0.5, Template(), TrainConfig(), report)
+    assert own.input_ids == [1, 2, 5, 6, 3, 4, 9, 9] and own.loss_mask == [False] * 6 + [True, True]
+    assert final.input_ids == [1, 2, 5, 6, 3, 4, 8, 8, 3, 4, 7, 8, 9]
+    assert final.loss_mask == [False, False, True, True] + [False] * 6 + [True] * 3
+    assert final.behaviour_logprobs[2:4] == [-0.4, -0.6]
+    assert own.advantage == final.advantage == 0.5
+    assert report.as_dict() == {
+        "no_behaviour_logprobs": 1,
+        "samples_of_several_turn_episodes": 2,
+        "turns_of_several_turn_episodes": 3,
+    }
+
+
+def test_turns_before_the_start_are_the_task_unless_whole_episodes_are_compared() -> None:
+    """In a `resample` group the members share everything before the agent's part (an earlier exchange with
+    the user); `key` and `prompt` groups compare whole episodes, so every turn trains."""
+    earlier = Turn(
+        [{"role": "user", "content": "hi"}], {"role": "assistant", "content": "yo"}, [1], [5], None
+    )
+    context = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "q"},
+    ]
+    t = trajectory(0, 1.0, context=context, prompt_token_ids=[1, 5, 3], earlier=[earlier])
+    assert t.start == context and t.agent_turns == []
+    [agent] = tokenize(t, 1.0, Template(), TrainConfig(), DataReport())
+    [whole] = tokenize(t, 1.0, Template(), TrainConfig(), DataReport(), turns="all")
+    assert agent.loss_mask == [False, False, False, True, True, True]
+    assert whole.loss_mask == [False, True, False, True, True, True]
 
 
 def test_missing_ids_fall_back_to_the_template_with_unknown_logprobs() -> None:
     report = DataReport()
     t = trajectory(0, 1.0, prompt_token_ids=None, completion_token_ids=None, completion_logprobs=None)
-    sample = tokenize(t, 1.0, Template(), TrainConfig(), report)
-    assert sample is not None
+    [sample] = tokenize(t, 1.0, Template(), TrainConfig(), report)
     # prompt [100, 1, 101] from the template; the reply is re-encoded text plus end of turn
     assert sample.input_ids == [100, 1, 101, ord("a"), 2]
     assert sample.loss_mask == [False, False, False, True, True]
@@ -285,9 +333,10 @@ def test_overlong_trajectories_are_truncated_or_dropped(overlong: str, kept: boo
     t = trajectory(
         0, 1.0, prompt_token_ids=list(range(20)), completion_token_ids=[7] * 10, completion_logprobs=None
     )
-    sample = tokenize(t, 1.0, Template(), TrainConfig(max_length=25, overlong=overlong), report)  # type: ignore[arg-type]
-    assert (sample is not None) == kept
-    if sample is not None:
+    samples = tokenize(t, 1.0, Template(), TrainConfig(max_length=25, overlong=overlong), report)  # type: ignore[arg-type]
+    assert bool(samples) == kept
+    if samples:
+        [sample] = samples
         assert len(sample.input_ids) == 25 and sum(sample.loss_mask) == 5
         assert report.as_dict() == {"no_behaviour_logprobs": 1, "truncated_overlong": 1}
     else:

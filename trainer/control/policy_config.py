@@ -190,9 +190,10 @@ class TrainConfig(_Section):
     # --- data
     grouping: Grouping = Field(
         "resample",
-        description="`resample` (production default), `key` (same group_key), `prompt` (same context).",
+        description="`resample` (production default: each attempt's task rolled out again, whole agent "
+        "episodes included), `key` (same group_key), `prompt` (same first context).",
     )
-    group_size: int = Field(8, ge=2, description="k: attempts per group; `resample` samples k-1 new replies.")
+    group_size: int = Field(8, ge=2, description="k: attempts per group; `resample` rolls out k-1 new ones.")
     min_group_size: int = Field(2, ge=2, description="Smaller `key`/`prompt` groups are dropped.")
     max_episodes: int = Field(
         512, ge=1, description="Cap on selected episodes (the newest win); `resample_budget` caps the cost."
@@ -228,6 +229,12 @@ class TrainConfig(_Section):
         ge=2,
         description="A context whose replies all scored the same is resampled up to this many replies, "
         "`group_size` at a time (at most `group_size` when smaller).",
+    )
+    max_turns: int = Field(
+        8,
+        ge=1,
+        description="Most assistant turns a rollout of an agent episode takes (resampling, the gate); one that "
+        "is still calling tools then ends there and is scored as it stands.",
     )
 
     # --- LoRA

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from trainer.control.gateway_requests import EngineSamplingError, gateway_headers, post_completion
-from trainer.learner.grouping import Sample
+from trainer.control.rollouts import SampledTurn
 from trainer.learner.tokens import prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,9 @@ class EngineEndpoint:
         return EngineSampler(self, model, tokenizer, max_tokens=max_tokens, temperature=temperature)
 
 
-def parse_choices(response: dict[str, Any], prompt: list[int]) -> list[Sample]:
-    """One `Sample` per choice of a chat completion requested with `return_tokens_as_token_ids`."""
+def parse_choices(response: dict[str, Any], prompt: list[int]) -> list[SampledTurn]:
+    """One turn per choice of a chat completion requested with `return_tokens_as_token_ids`: its message (text
+    and tool calls, as an app would get them), why it ended, and its exact token ids and logprobs."""
     samples = []
     for choice in response.get("choices") or []:
         entries = (choice.get("logprobs") or {}).get("content")
@@ -61,9 +63,23 @@ def parse_choices(response: dict[str, Any], prompt: list[int]) -> list[Sample]:
                 raise EngineSamplingError(f"the engine returned the logprob {logprob!r} for {token}")
             ids.append(int(token.removeprefix(_TOKEN_PREFIX)))
             logprobs.append(max(float(logprob), -9999.0))  # vLLM's own stand-in for -inf
-        content = (choice.get("message") or {}).get("content")
-        text = content if isinstance(content, str) else ""
-        samples.append(Sample(text=text, prompt_token_ids=prompt, token_ids=ids, logprobs=logprobs))
+        served = choice.get("message") or {}
+        content = served.get("content")
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if isinstance(content, str) else None,
+        }
+        if served.get("tool_calls"):
+            message["tool_calls"] = served["tool_calls"]
+        samples.append(
+            SampledTurn(
+                message=message,
+                finish_reason=choice.get("finish_reason"),
+                prompt_token_ids=prompt,
+                token_ids=ids,
+                logprobs=logprobs,
+            )
+        )
     return samples
 
 
@@ -85,9 +101,16 @@ class EngineSampler:
         self.headers = gateway_headers(endpoint.api_key)
         self._template_checked = False
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    async def sample(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        n: int,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[SampledTurn]:
+        """`n` turns answering `messages`, with the captured call's `options` (`tool_choice`, ...) repeated."""
         prompt = prompt_ids(self.tokenizer, messages, tools)
-        samples: list[Sample] = []
+        samples: list[SampledTurn] = []
         timeout = httpx.Timeout(self.endpoint.request_timeout_s, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as client:
             while len(samples) < n:
@@ -102,6 +125,9 @@ class EngineSampler:
                 }
                 if tools:
                     body["tools"] = tools
+                    body.update(options or {})
+                elif options and options.get("response_format") is not None:
+                    body["response_format"] = options["response_format"]
                 response = await post_completion(
                     client,
                     self.url,

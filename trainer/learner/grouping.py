@@ -2,13 +2,14 @@
 
 * ``key``: episodes sharing the client's ``group_key``;
 * ``prompt``: episodes with the identical context up to the first assistant turn (``calls.context_hash``);
-* ``resample`` (default for production traffic, where a prompt is usually seen once): each selected trajectory
-  is the first member of its own group; k-1 more replies to the same context (everything before its final
-  assistant turn) are sampled from the active adapter (through the serving engine, `trainer.learner.engine_sampling`, or
-  the trainer's own copy) and scored by the policy's scorer, while the original keeps its own reward; RULER,
-  which judges replies relative to each other, sees the original too. In multi-turn episodes with tool results
-  only the final assistant turn is resampled: re-running the earlier turns would need the tools, which only the
-  client can call.
+* ``resample`` (default for production traffic, where a task is usually seen once): each selected trajectory
+  is the first member of its own group; k-1 more attempts at the same task are rolled out from its start with the
+  active adapter (through the serving engine, `trainer.learner.engine_sampling`, or the trainer's own copy) and
+  scored by the policy's scorer as whole trajectories, while the original keeps its own reward; RULER, which
+  judges trajectories relative to each other, sees the original too. An attempt's start is everything before the
+  agent's part of the episode (`trainer.control.rollouts`): for a one-answer episode, the context of its reply;
+  for an agent episode, the conversation before its first tool call, which the rollout re-runs with its tools
+  (those of the policy's that may be called while training, else the captured results of identical calls).
 
 Groups whose rewards do not vary are skipped and counted: their advantages are all zero.
 """
@@ -28,43 +29,38 @@ import polars as pl
 
 from storage.episodes import Trajectory
 from trainer.control.policy_config import TrainConfig
+from trainer.control.rollouts import (
+    Rollout,
+    RolloutCounters,
+    RolloutTask,
+    ToolCaller,
+    TurnSampler,
+    roll_out,
+)
 from trainer.control.scoring import Scorer
 from trainer.learner.advantages import group_advantages, has_signal
-from trainer.learner.dataset import DataReport, TrainingExample
+from trainer.learner.dataset import DataReport, TrainingExample, Turn
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One sampled reply with the exact tokens and the behaviour logprobs of the sampler."""
-
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None
-
-
-class Sampler(Protocol):
-    """Draws replies from the active adapter (the trainer's own model, or the serving engine)."""
+class Sampler(TurnSampler, Protocol):
+    """Draws assistant turns from the active adapter (the trainer's own model, or the serving engine)."""
 
     #: How many contexts may be sampled at once: the engine batches concurrent requests, a local model cannot.
     max_concurrency: int
 
-    async def sample(
-        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int
-    ) -> list[Sample]: ...
-
 
 class ReplyScorer(Protocol):
-    """Scores generated replies to one context (reward function, scoring webhook or RULER); None = unscored.
+    """Scores attempts at one task as whole conversations (reward function, scoring webhook or RULER); None =
+    unscored.
 
-    `original` is the captured reply the group started from: it keeps its own reward, but a relative judge
-    needs it in the group to put the new replies on the same scale.
+    `original` is the captured conversation the group started from: it keeps its own reward, but a relative judge
+    needs it in the group to put the new attempts on the same scale.
     """
 
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]: ...
 
 
@@ -150,21 +146,59 @@ def allocate(pools: Sequence[Pool], budget: int, group_size: int, max_group_size
     return grants
 
 
-def _context_key(trajectory: TrainingExample) -> str:
-    return json.dumps([trajectory.context, trajectory.tools], sort_keys=True, default=str)
+def _task_key(trajectory: TrainingExample) -> str:
+    return json.dumps([trajectory.start, trajectory.tools], sort_keys=True, default=str)
 
 
-def _by_context(trajectories: Sequence[TrainingExample]) -> list[list[TrainingExample]]:
-    """Captured attempts at the identical context (everything before the final assistant turn) share a group,
-    first-seen order; each is an on-policy sample the engine does not have to draw again."""
+def _by_task(trajectories: Sequence[TrainingExample]) -> list[list[TrainingExample]]:
+    """Captured attempts at the identical task (the same start and tools) share a group, first-seen order; each
+    is an attempt the engine does not have to draw again."""
     pools: dict[str, list[TrainingExample]] = {}
     for trajectory in trajectories:
-        pools.setdefault(_context_key(trajectory), []).append(trajectory)
+        pools.setdefault(_task_key(trajectory), []).append(trajectory)
     return list(pools.values())
 
 
 def _surprise(members: Sequence[TrainingExample], mean: float) -> float:
     return max(abs(m.reward - mean) for m in members)
+
+
+def _task_of(members: Sequence[TrainingExample]) -> RolloutTask:
+    """The first captured attempt's task, replaying what any captured attempt at it recorded."""
+    task = members[0].rollout_task()
+    recorded: dict[tuple[str, str], str] = {}
+    for member in members:
+        for key, value in member.rollout_task().recorded.items():
+            recorded.setdefault(key, value)
+    return RolloutTask(task.start, task.tools, task.options, recorded)
+
+
+def attempt(rollout: Rollout, task: RolloutTask, like: TrainingExample, reward: float) -> TrainingExample:
+    """A rollout as a group member: its last turn is the final one, the others its earlier turns."""
+    turns = [
+        Turn(
+            context=context,
+            reply=turn.message,
+            prompt_token_ids=turn.prompt_token_ids,
+            completion_token_ids=turn.token_ids,
+            completion_logprobs=turn.logprobs,
+            options=dict(task.options_at(index)),
+        )
+        for index, (context, turn) in enumerate(rollout.turns)
+    ]
+    final = turns[-1]
+    return replace(
+        like,
+        context=final.context,
+        reply=final.reply,
+        reward=reward,
+        prompt_token_ids=final.prompt_token_ids,
+        completion_token_ids=final.completion_token_ids,
+        completion_logprobs=final.completion_logprobs,
+        earlier=turns[:-1],
+        options=final.options,
+        origin="resampled",
+    )
 
 
 async def resample_groups(
@@ -173,50 +207,49 @@ async def resample_groups(
     sampler: Sampler,
     scorer: ReplyScorer,
     report: DataReport,
+    tools: ToolCaller | None = None,
 ) -> tuple[list[Group], dict[str, Any]]:
-    """`resample` grouping: captured attempts at each context plus fresh replies from the active version,
-    scored by `scorer`, in rounds planned by `allocate` within `resample_budget` replies.
+    """`resample` grouping: captured attempts at each task plus fresh rollouts with the active version, scored
+    by `scorer`, in rounds planned by `allocate` within `resample_budget` rollouts.
 
     Where successes are rare most groups of `group_size` have no reward variance and teach nothing; later
-    rounds spend the rest of the budget on exactly those. Contexts whose captured reward differs most from the
-    window's mean (a rare success, a rare failure) come first when the budget cannot cover every context.
-    Up to `resample_concurrency` contexts are sampled and scored at once (the engine batches them, and a judge
-    or webhook answers in parallel). Returns the groups in first-seen order and what the rounds cost and found.
+    rounds spend the rest of the budget on exactly those. Tasks whose captured reward differs most from the
+    window's mean (a rare success, a rare failure) come first when the budget cannot cover every task. Up to
+    `resample_concurrency` tasks are rolled out and scored at once (the engine batches them, and a judge or
+    webhook answers in parallel). A rollout that reaches a tool call nobody can answer, or whose reply the token
+    limit cut, is left out of its group (counted). Returns the groups in first-seen order and what the rounds
+    cost and found.
     """
     limit = asyncio.Semaphore(max(1, min(cfg.resample_concurrency, sampler.max_concurrency)))
     started = time.monotonic()
-    pools = _by_context(trajectories)
+    pools = _by_task(trajectories)
+    tasks = [_task_of(members) for members in pools]
     report.add("contexts_merged", len(trajectories) - len(pools))
     mean = sum(t.reward for t in trajectories) / len(trajectories) if trajectories else 0.0
     order = sorted(range(len(pools)), key=lambda i: -_surprise(pools[i], mean))
     budget = cfg.resample_budget
     signal_by_round: list[int] = []
-
+    counters = RolloutCounters()
     tried = [len(members) for members in pools]
 
     async def resample(index: int, n: int) -> None:
         members = pools[index]
-        first = members[0]
+        first, task = members[0], tasks[index]
         tried[index] += n
         async with limit:
-            samples = await sampler.sample(first.context, first.tools, n)
-            scores = await scorer.score(first.context, [s.text for s in samples], first.reply)
-        report.add("resampled_replies", len(samples))
-        for sample, score in zip(samples, scores, strict=True):
+            rollouts = await roll_out(task, n, sampler, tools, max_turns=cfg.max_turns)
+            for rollout in rollouts:
+                counters.add(rollout)
+            usable = [r for r in rollouts if r.ending in ("answered", "turn_limit")]
+            report.add("rollouts_truncated", sum(r.ending == "truncated" for r in rollouts))
+            report.add("rollouts_unanswerable", sum(r.ending == "unanswerable" for r in rollouts))
+            scores = await scorer.score([r.messages for r in usable], first.messages) if usable else []
+        report.add("resampled_replies", len(usable))
+        for rollout, score in zip(usable, scores, strict=True):
             if score is None:
                 report.add("resampled_unscored")
                 continue
-            members.append(
-                replace(
-                    first,
-                    reply={"role": "assistant", "content": sample.text},
-                    reward=float(score),
-                    prompt_token_ids=sample.prompt_token_ids,
-                    completion_token_ids=sample.token_ids,
-                    completion_logprobs=sample.logprobs,
-                    origin="resampled",
-                )
-            )
+            members.append(attempt(rollout, task, first, float(score)))
 
     while True:
         state = [Pool(tried[i], has_signal([m.reward for m in pools[i]])) for i in order]
@@ -227,15 +260,15 @@ async def resample_groups(
         # A task group: one failure (engine gone) cancels the rest instead of leaving them running; the first
         # failure is raised as itself, not wrapped in an ExceptionGroup.
         try:
-            async with asyncio.TaskGroup() as tasks:
+            async with asyncio.TaskGroup() as group_tasks:
                 for index, n in zip(order, grants, strict=True):
                     if n:
-                        tasks.create_task(resample(index, n))
+                        group_tasks.create_task(resample(index, n))
         except ExceptionGroup as failures:
             raise failures.exceptions[0] from None
         signal_by_round.append(sum(1 for p in pools if has_signal([m.reward for m in p])))
         logger.info(
-            "resampling round %d: %d replies to %d contexts, %d of %d groups have reward variance (%.0f s)",
+            "resampling round %d: %d rollouts of %d tasks, %d of %d groups have reward variance (%.0f s)",
             len(signal_by_round),
             sum(grants),
             sum(1 for n in grants if n),
@@ -253,6 +286,7 @@ async def resample_groups(
         "rounds": len(signal_by_round),
         "groups_with_signal_by_round": signal_by_round,
         "replies_per_group_with_signal": round(spent / len(groups), 1) if groups else None,
+        "rollouts": counters.as_dict(),
         "wall_s": round(time.monotonic() - started, 1),
     }
     return groups, stats
@@ -279,11 +313,11 @@ def group_stats(groups: Sequence[Group]) -> dict[str, float]:
 
 
 class PolicyReplyScorer:
-    """Adapts the policy's configured scorer (function, webhook or RULER) to score resampled replies.
+    """Adapts the policy's configured scorer (function, webhook or RULER) to score resampled attempts.
 
-    Each reply becomes a trajectory `context + [reply]`; a scorer failure leaves the whole batch unscored
+    Each attempt is scored as the whole conversation it made; a scorer failure leaves the whole batch unscored
     (counted), never stops the run. RULER (source `judge`) scores relative to the group, so it judges the
-    original reply along with the new ones and the original's score is discarded: it keeps its own reward.
+    original conversation along with the new ones and the original's score is discarded: it keeps its own reward.
     """
 
     def __init__(self, inner: Scorer, policy: str) -> None:
@@ -291,24 +325,18 @@ class PolicyReplyScorer:
         self.policy = policy
 
     async def score(
-        self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
+        self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
-        trajectories = [
-            Trajectory(
-                episode_id=f"resample-{i}",
-                messages=[*context, {"role": "assistant", "content": reply}],
-                policy=self.policy,
-            )
-            for i, reply in enumerate(replies)
+        transcripts = [
+            Trajectory(episode_id=f"resample-{i}", messages=messages, policy=self.policy)
+            for i, messages in enumerate(conversations)
         ]
-        judged = list(trajectories)
+        judged = list(transcripts)
         if self.inner.source == "judge":
-            judged.insert(
-                0, Trajectory(episode_id="original", messages=[*context, original], policy=self.policy)
-            )
+            judged.insert(0, Trajectory(episode_id="original", messages=original, policy=self.policy))
         outcome = await self.inner.score(judged)
         if outcome.scores is None:
-            logger.warning("scorer failed on resampled replies: %s", outcome.error)
-            return [None] * len(replies)
+            logger.warning("scorer failed on resampled attempts: %s", outcome.error)
+            return [None] * len(conversations)
         by_id = {s.episode_id: s.value for s in outcome.scores}
-        return [by_id.get(t.episode_id) for t in trajectories]
+        return [by_id.get(t.episode_id) for t in transcripts]

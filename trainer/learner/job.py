@@ -26,6 +26,7 @@ from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, 
 from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
 from trainer.control.gate import is_held_out
 from trainer.control.policy_config import PolicyConfig, TrainConfig, load_policy_config
+from trainer.control.rollouts import hermes_message
 from trainer.learner.dataset import DataReport, TrainingExample, build_example, select_episodes
 from trainer.learner.engine_sampling import EngineEndpoint
 from trainer.learner.grouping import (
@@ -40,6 +41,7 @@ from trainer.learner.tracking import Tracker, open_tracker
 
 if TYPE_CHECKING:  # torch is imported by the training phase only, never by the job's callers
     from trainer.control.launch import Ranks
+    from trainer.learner.batch import TokenizedSample
     from trainer.learner.distributed import Followers
     from trainer.learner.grpo import ScoreReplies
     from trainer.learner.sft import Phase
@@ -110,18 +112,26 @@ async def _load_trajectories(
 
 def _check_scorer(
     scorer: ReplyScorer | None,
-    originals: list[tuple[list[dict[str, Any]], dict[str, Any]]],
+    checked: list[TrainingExample],
     loop: asyncio.AbstractEventLoop,
 ) -> ScoreReplies | None:
-    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th checked context (given
-    with a captured reply to it, which a relative judge needs), called from the update's worker thread on the
-    run's event loop. A scorer that fails leaves the replies unscored."""
+    """The collapse checks' reward evidence: the policy's scorer on replies to the i-th checked start (with the
+    captured conversation that began there, which a relative judge needs), called from the update's worker
+    thread on the run's event loop. A reply is read as the engine would (tool calls from their text). A scorer
+    that fails leaves the replies unscored."""
     if scorer is None:
         return None
 
     def score(index: int, replies: list[str]) -> list[float | None]:
-        context, original = originals[index]
-        future = asyncio.run_coroutine_threadsafe(scorer.score(context, replies, original), loop)
+        example = checked[index]
+        conversations = [
+            [
+                *example.start,
+                hermes_message(reply) if example.tools else {"role": "assistant", "content": reply},
+            ]
+            for reply in replies
+        ]
+        future = asyncio.run_coroutine_threadsafe(scorer.score(conversations, example.messages), loop)
         try:
             return future.result()
         except Exception as exc:
@@ -207,7 +217,7 @@ async def _train(
     from trainer.learner.grpo import peft_model
     from trainer.learner.model import LocalSampler, load_policy, pick_device, save_adapter
     from trainer.learner.sft import demonstrations, load_vouched, plan_phases
-    from trainer.learner.tokens import tokenize
+    from trainer.learner.tokens import Turns, mask_shared_tokens, tokenize
 
     cfg = config.train
     started = time.perf_counter()
@@ -279,12 +289,16 @@ async def _train(
         groups, resampling = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
     else:
         groups, resampling = group_by_column(trajectories, cfg, report), None
-    samples = []
+    # A `resample` group shares each member's start, so only the agent's turns after it are attempts; `key` and
+    # `prompt` groups compare whole episodes. Tokens every member sampled alike get no push either way.
+    turns: Turns = "agent" if cfg.grouping == "resample" else "all"
+    samples: list[TokenizedSample] = []
     for group in groups:
-        for member, advantage in zip(group.members, group.advantages, strict=True):
-            sample = tokenize(member, advantage, tokenizer, cfg, report)
-            if sample is not None:
-                samples.append(sample)
+        members = [
+            tokenize(member, advantage, tokenizer, cfg, report, turns)
+            for member, advantage in zip(group.members, group.advantages, strict=True)
+        ]
+        samples.extend(sample for member in mask_shared_tokens(members, report) for sample in member)
     demos, demonstrated = demonstrations(cfg, [*trajectories, *vouched], groups, tokenizer, report)
     metrics: dict[str, Any] = {
         **group_stats(groups),
@@ -305,12 +319,10 @@ async def _train(
         await finish("skipped", metrics, error=reason)
         return TrainOutcome(run_id, "skipped", None, None, metrics, reason)
 
-    contexts = [(g.members[0].context, g.members[0].tools) for g in groups]
-    originals = [(g.members[0].context, g.members[0].reply) for g in groups]
-    if not contexts:  # an SFT-only run: the collapse checks sample the demonstrations' contexts
-        contexts = [(e.context, e.tools) for e in demonstrated]
-        originals = [(e.context, e.reply) for e in demonstrated]
-    score = _check_scorer(request.scorer, originals, asyncio.get_running_loop())
+    # The collapse checks sample where the groups' attempts start: an agent's first turn (often its tool call).
+    checked = [g.members[0] for g in groups] or list(demonstrated)  # SFT only: the demonstrations' starts
+    contexts = [(example.start, example.tools) for example in checked]
+    score = _check_scorer(request.scorer, checked, asyncio.get_running_loop())
     await _tell_followers(("train", phases, contexts), request.followers)
     result, monitor, model, state = await asyncio.to_thread(
         update_together, model, tokenizer, phases, contexts, cfg, device, ranks, stop, score

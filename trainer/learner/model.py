@@ -14,14 +14,15 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.control.policy_config import TrainConfig
-from trainer.learner.grouping import Sample
+from trainer.control.rollouts import SampledTurn, hermes_message
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,16 @@ def save_adapter(model: Any, target: Path, state_dict: dict[str, torch.Tensor] |
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One sampled reply as text, with the exact tokens and the behaviour logprobs of the sampler."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+
+
 class LocalSampler:
     """Samples from the trainer's own copy of the active adapter with HF generate.
 
@@ -177,9 +188,30 @@ class LocalSampler:
         )
         return [int(i) for i in ids]
 
-    async def sample(self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int) -> list[Sample]:
+    async def sample(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        n: int,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[SampledTurn]:
+        """`n` turns answering `messages`, tool calls read from the text in the Hermes format (`<tool_call>`
+        blocks, the embedded model's). HF generate cannot force a tool call: `options` are not applied."""
         # In a worker thread: generation blocks for seconds, and the run's lock heartbeat must keep beating.
-        return (await asyncio.to_thread(self.sample_many, [(messages, tools)], n))[0]
+        samples = (await asyncio.to_thread(self.sample_many, [(messages, tools)], n))[0]
+        eos = self.tokenizer.eos_token_id
+        return [
+            SampledTurn(
+                message=hermes_message(sample.text)
+                if tools
+                else {"role": "assistant", "content": sample.text},
+                finish_reason="stop" if sample.token_ids and sample.token_ids[-1] == eos else "length",
+                prompt_token_ids=sample.prompt_token_ids,
+                token_ids=sample.token_ids,
+                logprobs=sample.logprobs,
+            )
+            for sample in samples
+        ]
 
     def sample_many(
         self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int

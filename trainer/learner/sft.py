@@ -127,12 +127,11 @@ def demonstration_samples(
     demonstrations: Sequence[TrainingExample], tokenizer: Any, cfg: TrainConfig, report: DataReport
 ) -> list[TokenizedSample]:
     """Training samples of the demonstrations, on their captured token ids where there are any."""
-    samples = []
-    for example in demonstrations:
-        sample = tokenize(example, 0.0, tokenizer, cfg, report)
-        if sample is not None:
-            samples.append(replace(sample, demonstration=True))
-    return samples
+    return [
+        replace(sample, demonstration=True)
+        for example in demonstrations
+        for sample in tokenize(example, 0.0, tokenizer, cfg, report, turns="all")
+    ]
 
 
 def demonstrations(
