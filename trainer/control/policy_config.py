@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.control.collapse import CollapseBounds
 
@@ -458,6 +458,85 @@ class PrivacyConfig(_Section):
 # --- the whole configuration
 
 
+class McpServerConfig(_Section):
+    """An MCP server whose tools the policy may use: streamable HTTP at `url`, or a `command` Kaizen starts and
+    talks to over stdio."""
+
+    name: str = Field(
+        description="What the server is called in logs, errors and the tool calls' records.",
+        min_length=1,
+        max_length=64,
+    )
+    url: str | None = Field(None, description="Streamable HTTP endpoint, e.g. `http://127.0.0.1:9000/mcp`.")
+    command: list[str] | None = Field(None, description="argv of a server spoken to over stdio.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of a stdio server.")
+    cwd: str | None = Field(None, description="Working directory of a stdio server.")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="HTTP headers sent to a `url` server (e.g. its Authorization)."
+    )
+    timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for the server to start, list or answer a call."
+    )
+    resample: bool = Field(
+        False,
+        description="Whether the trainer may call these tools when it rolls an episode out again (and the gate "
+        "when it evaluates): only for tools without side effects. Off: the captured results of identical calls "
+        "are replayed, and a rollout that makes another call is dropped.",
+    )
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if bool(self.url) == bool(self.command):
+            raise ValueError("give exactly one of `url` and `command`")
+        return self
+
+
+class FunctionToolConfig(_Section):
+    """A Python function as a tool (`module:function`): its parameters' annotations are its JSON schema, the
+    first paragraph of its docstring its description."""
+
+    path: str = Field(description="`module:function`, importable where the gateway and the trainer run.")
+    name: str | None = Field(None, description="The tool's name (default: the function's).")
+    resample: bool = Field(
+        True, description="Whether the trainer may call it while rolling episodes out again (see `servers`)."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _valid_path(cls, value: str) -> str:
+        if not _HOOK.match(value):
+            raise ValueError("expected `module:function`")
+        return value
+
+
+class ToolsConfig(_Section):
+    """Tools Kaizen can run for the policy: offered to apps at `/mcp/<policy>`, and run by the trainer when it
+    rolls agent episodes out again."""
+
+    servers: list[McpServerConfig] = Field(default_factory=list, description="MCP servers.")
+    functions: list[FunctionToolConfig] = Field(
+        default_factory=list, description="Python functions; a plain string is taken as `path`."
+    )
+    timeout_s: float = Field(30.0, gt=0, description="Longest a Python function tool may take.")
+    max_result_chars: int = Field(
+        16_000, ge=1, description="A longer result is cut here (the agent is told so)."
+    )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"path": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @model_validator(mode="after")
+    def _unique_servers(self) -> ToolsConfig:
+        names = [server.name for server in self.servers]
+        if len(names) != len(set(names)):
+            raise ValueError("two servers have the same name")
+        return self
+
+
 class PolicyConfig(_Section):
     """The whole configuration of a policy; `{}` means every default."""
 
@@ -466,6 +545,7 @@ class PolicyConfig(_Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
 
 @dataclass(frozen=True)
