@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import polars as pl
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from trainer.control.policy_config import TrainConfig
 from trainer.control.scoring import Scorer
 from trainer.learner.advantages import group_advantages, has_signal
@@ -294,7 +294,7 @@ class PolicyReplyScorer:
         self, context: list[dict[str, Any]], replies: list[str], original: dict[str, Any]
     ) -> list[float | None]:
         trajectories = [
-            Trajectory(
+            EpisodeTranscript(
                 episode_id=f"resample-{i}",
                 messages=[*context, {"role": "assistant", "content": reply}],
                 policy=self.policy,
@@ -304,7 +304,7 @@ class PolicyReplyScorer:
         judged = list(trajectories)
         if self.inner.source == "judge":
             judged.insert(
-                0, Trajectory(episode_id="original", messages=[*context, original], policy=self.policy)
+                0, EpisodeTranscript(episode_id="original", messages=[*context, original], policy=self.policy)
             )
         outcome = await self.inner.score(judged)
         if outcome.scores is None:
