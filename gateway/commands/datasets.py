@@ -55,8 +55,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def run_export(settings: Settings, args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
+    from migrations.runner import open_database
     from storage.export import ExportFilter, Format, count_episodes, export_episodes
-    from storage.schema import open_database
 
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
@@ -117,7 +117,7 @@ def add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_import(settings: Settings, args: argparse.Namespace) -> int:
     from gateway.commands.conversation_import import ImportFailed, import_conversations
-    from storage.schema import open_database
+    from migrations.runner import open_database
 
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")

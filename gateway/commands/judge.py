@@ -54,7 +54,7 @@ def add_judge_arguments(parser: argparse.ArgumentParser) -> None:
 def run_judge(settings: Settings, policy: str, since: str | None, limit: int | None) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    from storage.schema import open_database
+    from migrations.runner import open_database
     from trainer.control.judge_job import judge_policy
 
     judge = judge_settings(settings)

@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import build_services, create_app
     from gateway.exposure import open_exposure
     from gateway.http_protocol import OpenAIHttpToolsProtocol
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -165,7 +165,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 def cmd_policy_create(args: argparse.Namespace) -> int:
     from gateway.policies import create_policy_with_initial_adapter
-    from storage.schema import open_database
+    from migrations.runner import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -191,8 +191,8 @@ def cmd_policy_create(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_list(args: argparse.Namespace) -> int:
+    from migrations.runner import open_database
     from storage.policies import list_adapters, list_policies
-    from storage.schema import open_database
 
     settings = load_settings(args)
 
@@ -279,8 +279,8 @@ def train_on_several_processes(args: argparse.Namespace, settings: Settings) -> 
     from gateway.base_models import resolve_base_model
     from gateway.commands.judge import parse_since
     from gateway.scheduling import child_env, train_command
+    from migrations.runner import open_database
     from storage.policies import get_policy
-    from storage.schema import open_database
 
     async def base_model_of_policy() -> str | None:
         async with open_database(settings.database_url) as database, database.session() as session:
@@ -318,9 +318,9 @@ def train_on_several_processes(args: argparse.Namespace, settings: Settings) -> 
 
 def cmd_policy_switch(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
+    from migrations.runner import open_database
     from storage.audit import record_audit
     from storage.policies import get_policy, promote, rollback
-    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -357,9 +357,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
     key's secret is printed once; gateways pick changes up within `KAIZEN_POLICY_REFRESH_S`."""
     from gateway.auth import create_key
     from gateway.errors import APIError
+    from migrations.runner import open_database
     from storage.audit import record_audit
     from storage.keys import list_keys, revoke_key
-    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -409,8 +409,8 @@ def _iso(value: datetime | None) -> str | None:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """`kaizen audit`: the newest audit entries, one JSON object a line."""
+    from migrations.runner import open_database
     from storage.audit import list_audit
-    from storage.schema import open_database
 
     settings = load_settings(args)
 

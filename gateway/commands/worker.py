@@ -11,8 +11,8 @@ import sys
 
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from migrations.runner import open_database
 from storage.policies import list_policies
-from storage.schema import open_database
 from trainer.control.scheduler import JobKind
 
 log = logging.getLogger("kaizen")

@@ -16,10 +16,10 @@ import pytest
 from gateway.engines.upstream import UpstreamEngine
 from gateway.routing import ModelRouter, PoliciesUnavailable
 from gateway.settings import Settings, async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.episodes import get_transcript
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.integration.test_feedback import add_policy

@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import get_policy
-from storage.schema import upgrade_database
 from trainer.control.launch import ranks_from_environment
 from trainer.control.rewards import policy_reward_config
 from trainer.control.ruler import JudgeSettings
