@@ -18,7 +18,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.auth import KeyRing, LoginThrottle
+from gateway.auth import KeyRing, LoginThrottle, requires
 from gateway.capture.sink import CaptureSink
 from gateway.chat import ChatService
 from gateway.completions import RelayService
@@ -36,6 +36,7 @@ from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsController
 from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
+from gateway.controllers.policy_actions import PolicyActions
 from gateway.controllers.responses import ResponsesController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
@@ -403,6 +404,8 @@ def create_app(services: Services) -> Litestar:
         ],
         middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
     )
+    # The policy actions are declared once and registered here and under the dashboard's router.
+    admin = Router(path="/admin", route_handlers=[PolicyActions], guards=[requires("admin")])
     state: dict[str, Any] = {
         "key_ring": services.keys,
         # Failed logins with the admin key (dashboard, /admin, /metrics), counted together per client address.
@@ -428,6 +431,7 @@ def create_app(services: Services) -> Litestar:
             AuditController,
             PoliciesController,
             RunsController,
+            admin,
             *([MetricsController] if services.metrics is not None else []),
             *dashboard,
         ],

@@ -1,4 +1,4 @@
-"""Repository functions for episodes as trajectories: read them whole, edit their metadata, find groups.
+"""Repository functions for episodes: read them whole as transcripts, edit their metadata, find groups.
 
 Everything returned is a plain dataclass; ORM rows never leave this module.
 """
@@ -31,11 +31,12 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Trajectory:
+class EpisodeTranscript:
     """An episode as a judge or a reward function sees it: the whole conversation, in order.
 
     `messages` is the last call's request messages plus its reply, so it holds every assistant turn of a
-    chat loop. Trajectories Kaizen generates itself (training, evaluation) are built directly.
+    chat loop. Transcripts of episodes Kaizen generates itself (training, evaluation) are built directly.
+    (Not the client SDK's `gateway.client.Trajectory`, a handle a rollout writes an episode through.)
     """
 
     episode_id: str
@@ -85,8 +86,8 @@ def _context(request: dict[str, Any]) -> list[dict[str, Any]]:
     return list(request.get("messages", []))
 
 
-async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dict[str, Trajectory]:
-    """The stored trajectories of these episodes (missing ids are absent from the result)."""
+async def get_transcripts(session: AsyncSession, episode_ids: list[str]) -> dict[str, EpisodeTranscript]:
+    """The stored transcripts of these episodes (missing ids are absent from the result)."""
     if not episode_ids:
         return {}
     episodes = (await session.execute(select(Episode).where(Episode.id.in_(episode_ids)))).scalars().all()
@@ -112,7 +113,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
     by_episode: dict[str, list[Any]] = {}
     for row in calls:
         by_episode.setdefault(row.episode_id, []).append(row)
-    result: dict[str, Trajectory] = {}
+    result: dict[str, EpisodeTranscript] = {}
     for episode in episodes:
         rows = by_episode.get(episode.id, [])
         turns = []
@@ -143,7 +144,7 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
         elif rows:
             messages = _context(rows[-1].request)
             tools = rows[-1].request.get("tools")
-        result[episode.id] = Trajectory(
+        result[episode.id] = EpisodeTranscript(
             episode_id=episode.id,
             messages=messages,
             policy=episode.policy,
@@ -163,8 +164,8 @@ async def get_trajectories(session: AsyncSession, episode_ids: list[str]) -> dic
     return result
 
 
-async def get_trajectory(session: AsyncSession, episode_id: str) -> Trajectory | None:
-    return (await get_trajectories(session, [episode_id])).get(episode_id)
+async def get_transcript(session: AsyncSession, episode_id: str) -> EpisodeTranscript | None:
+    return (await get_transcripts(session, [episode_id])).get(episode_id)
 
 
 async def episode_policy(session: AsyncSession, episode_id: str) -> tuple[str | None, str | None]:

@@ -33,7 +33,7 @@ from sqlalchemy import ColumnElement, and_, exists, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.database import Database
-from storage.episodes import Trajectory, get_trajectories
+from storage.episodes import EpisodeTranscript, get_transcripts
 from storage.models import Call, Episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
@@ -142,7 +142,7 @@ class ExportReport:
 class EpisodeData:
     """One exported episode: its trajectory and every reward of it."""
 
-    trajectory: Trajectory
+    trajectory: EpisodeTranscript
     rewards: list[RewardInfo] = field(default_factory=list)
 
 
@@ -171,7 +171,7 @@ async def episode_batches(
             if not page:
                 return
             ids = [row.id for row in page]
-            trajectories = await get_trajectories(session, ids)
+            trajectories = await get_transcripts(session, ids)
             rewards = await rewards_for_episodes(session, ids)
         after = (page[-1].created_at, page[-1].id)
         yield [EpisodeData(trajectories[i], rewards.get(i, [])) for i in ids if i in trajectories]

@@ -6,19 +6,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import delete
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from storage.dialect import insert
 from storage.models import SignatureReplay
-
-
-def _insert(session: AsyncSession) -> Any:
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(SignatureReplay)
-    return sqlite.insert(SignatureReplay)
 
 
 async def record_signature(session: AsyncSession, mac: str, timestamp: int) -> bool:
@@ -27,7 +19,7 @@ async def record_signature(session: AsyncSession, mac: str, timestamp: int) -> b
     On PostgreSQL a concurrent insert of the same MAC waits for the other transaction and then conflicts.
     """
     stmt = (
-        _insert(session)
+        insert(session, SignatureReplay)
         .values(mac=mac, timestamp=timestamp)
         .on_conflict_do_nothing(index_elements=["mac"])
         .returning(SignatureReplay.mac)

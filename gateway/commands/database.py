@@ -21,7 +21,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def upgrade_command(args: argparse.Namespace) -> int:
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)

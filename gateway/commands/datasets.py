@@ -73,8 +73,8 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def export_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
+    from migrations.runner import open_database
     from storage.export import ExportFilter, Format, count_episodes, export_episodes
-    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -137,7 +137,7 @@ def _add_import_arguments(parser: argparse.ArgumentParser) -> None:
 
 def import_command(args: argparse.Namespace) -> int:
     from gateway.commands.conversation_import import ImportFailed, import_conversations
-    from storage.schema import open_database
+    from migrations.runner import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)

@@ -29,7 +29,7 @@ def judge_command(args: argparse.Namespace) -> int:
     """Exit 1 when every group failed to score."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    from storage.schema import open_database
+    from migrations.runner import open_database
     from trainer.control.judge_job import judge_policy
 
     settings = load_settings(args)

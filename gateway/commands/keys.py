@@ -55,9 +55,9 @@ def keys_command(args: argparse.Namespace) -> int:
     changes up within `KAIZEN_POLICY_REFRESH_S`."""
     from gateway.auth import create_key
     from gateway.errors import APIError
+    from migrations.runner import open_database
     from storage.audit import record_audit
     from storage.keys import list_keys, revoke_key
-    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -107,8 +107,8 @@ def _iso(value: datetime | None) -> str | None:
 
 def audit_command(args: argparse.Namespace) -> int:
     """The newest audit entries, one JSON object a line."""
+    from migrations.runner import open_database
     from storage.audit import list_audit
-    from storage.schema import open_database
 
     settings = load_settings(args)
 

@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def create_command(args: argparse.Namespace) -> int:
     from gateway.policies import create_policy_with_initial_adapter
-    from storage.schema import open_database
+    from migrations.runner import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -72,8 +72,8 @@ def create_command(args: argparse.Namespace) -> int:
 
 
 def list_command(args: argparse.Namespace) -> int:
+    from migrations.runner import open_database
     from storage.policies import list_adapters, list_policies
-    from storage.schema import open_database
 
     settings = load_settings(args)
 
@@ -98,9 +98,9 @@ def list_command(args: argparse.Namespace) -> int:
 
 def switch_command(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
+    from migrations.runner import open_database
     from storage.audit import record_audit
     from storage.policies import get_policy, promote, rollback
-    from storage.schema import open_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)

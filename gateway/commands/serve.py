@@ -45,7 +45,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from gateway.app import build_services, create_app
     from gateway.exposure import open_exposure
     from gateway.http_protocol import OpenAIHttpToolsProtocol
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)

@@ -70,8 +70,8 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 
 def train_command(args: argparse.Namespace) -> int:
     from gateway.scheduling import runner_config
+    from migrations.runner import open_database
     from storage.policies import get_policy
-    from storage.schema import open_database
     from trainer.control.policy_config import load_policy_config
     from trainer.control.scheduler import TrainOptions
 

@@ -13,8 +13,8 @@ import sys
 from gateway.commands.options import add_common_options, configure_logging, load_settings
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from migrations.runner import open_database
 from storage.policies import list_policies
-from storage.schema import open_database
 from trainer.control.scheduler import JobKind
 
 log = logging.getLogger("kaizen")

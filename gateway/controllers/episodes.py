@@ -18,7 +18,7 @@ from gateway.capture.sink import CaptureSink
 from gateway.controllers.params import PathName
 from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.routing import ModelRouter
-from storage.episodes import Trajectory, episode_policy, get_trajectory, update_episode
+from storage.episodes import EpisodeTranscript, episode_policy, get_transcript, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
 
 
@@ -68,7 +68,7 @@ class EpisodeUpdate(Struct, forbid_unknown_fields=True):
     tags: list[str] | UnsetType = UNSET
 
 
-def _out(trajectory: Trajectory, rewards: list[RewardInfo]) -> EpisodeOut:
+def _out(trajectory: EpisodeTranscript, rewards: list[RewardInfo]) -> EpisodeOut:
     out = msgspec.convert(trajectory, EpisodeOut, from_attributes=True)
     return msgspec.structs.replace(
         out, rewards=msgspec.convert(rewards, list[RewardOut], from_attributes=True)
@@ -88,7 +88,7 @@ class EpisodesController(Controller):
     async def _load(
         self, session: AsyncSession, sink: CaptureSink, episode_id: str, principal: Principal
     ) -> EpisodeOut:
-        trajectory = await get_trajectory(session, episode_id)
+        trajectory = await get_transcript(session, episode_id)
         if trajectory is not None and principal.sees(trajectory.project):
             rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
             return _out(trajectory, rewards)

@@ -1,4 +1,5 @@
-"""`/admin/policies`: create and list policies (admin key)."""
+"""`/admin/policies`: create and list policies (admin key). Their promote, rollback, pause and resume are
+`gateway.controllers.policy_actions`, shared with the dashboard."""
 
 from __future__ import annotations
 
@@ -7,18 +8,17 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
-from gateway.controllers.params import PathName, PolicyName, Version
-from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
+from gateway.controllers.params import PolicyName
+from gateway.errors import InvalidRequest, invalid_policy_config
 from gateway.policies import BaseModelUnavailable, create_policy_with_initial_adapter
 from gateway.settings import Settings
-from storage.audit import record_audit
 from storage.database import Database
-from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, promote, rollback
+from storage.policies import PolicyExists, list_adapters, list_policies
 from trainer.control.policy_config import InvalidPolicyConfig
 
 
@@ -26,10 +26,6 @@ class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
     name: PolicyName
     base_model: str | None = None
     config: dict[str, Any] = {}
-
-
-class Promote(msgspec.Struct, forbid_unknown_fields=True):
-    version: Version
 
 
 class AdapterView(msgspec.Struct):
@@ -48,7 +44,7 @@ class PolicyView(msgspec.Struct):
     versions: list[AdapterView]
 
 
-async def _view(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
+async def policy_views(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
     views = []
     for policy in await list_policies(session):
         if name is not None and policy.name != name:
@@ -70,7 +66,7 @@ class PoliciesController(Controller):
     @get("")
     async def list_all(self, session: NamedDependency[AsyncSession]) -> list[PolicyView]:
         """Every policy with its versions, their status and metrics."""
-        return await _view(session)
+        return await policy_views(session)
 
     @post("", status_code=201)
     async def create(
@@ -105,64 +101,5 @@ class PoliciesController(Controller):
             raise InvalidRequest(str(exc), param="name", code="policy_exists") from exc
         except ValueError as exc:  # a name that cannot be a directory of the adapter store
             raise InvalidRequest(str(exc), param="name", code="invalid_value") from exc
-        [view] = await _view(session, data.name)
+        [view] = await policy_views(session, data.name)
         return view
-
-    @post("/{name:str}/promote", status_code=200)
-    async def promote(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        data: JSONBody[Promote],
-        session: NamedDependency[AsyncSession],
-    ) -> PolicyView:
-        """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
-        return await promote_version(session, principal_of(request).actor, name, data.version)
-
-    @post("/{name:str}/rollback", status_code=200)
-    async def rollback(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-    ) -> PolicyView:
-        """Re-activate the previously active version (it stays loadable, so this is instant)."""
-        return await roll_back(session, principal_of(request).actor, name)
-
-
-async def promote_version(session: AsyncSession, actor: str, name: str, version: int) -> PolicyView:
-    """Promote `version` of policy `name`, audited as `actor` (the admin API and the dashboard)."""
-    if await get_policy(session, name) is None:
-        raise _no_policy(name)
-    # Added first: `promote` commits, and a refusal rolls the entry back with the session.
-    await record_audit(session, actor, "policy.promote", name, {"version": version})
-    try:
-        await promote(session, name, version)
-    except LookupError as exc:
-        raise NotFound(str(exc), param="version", code="version_not_found") from exc
-    [view] = await _view(session, name)
-    return view
-
-
-async def roll_back(session: AsyncSession, actor: str, name: str) -> PolicyView:
-    """Re-activate the version active before the current one, audited as `actor`."""
-    current = await get_policy(session, name)
-    if current is None:
-        raise _no_policy(name)
-    await record_audit(
-        session,
-        actor,
-        "policy.rollback",
-        name,
-        {"from_version": current.active_version},
-    )
-    try:
-        await rollback(session, name)
-    except LookupError as exc:
-        raise NotFound(str(exc), param="name", code="no_previous_version") from exc
-    [view] = await _view(session, name)
-    return view
-
-
-def _no_policy(name: str) -> NotFound:
-    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")

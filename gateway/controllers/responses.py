@@ -13,8 +13,8 @@ from gateway.auth import principal_of, requires
 from gateway.controllers.chat import call_headers, unless_disconnected
 from gateway.controllers.params import PathName
 from gateway.errors import APIError, NotFound
-from gateway.protocol import ResponseDeleted, ResponseItemList
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
+from gateway.responses.protocol import ResponseDeleted, ResponseItemList
 from gateway.responses.service import ResponsesService
 from gateway.responses.store import KnownResponse
 

@@ -1,5 +1,6 @@
 """`/admin/runs` and per-policy job triggers: see runs with their status and metrics, start a judge, train
-or retention run now, and pause or resume a policy's schedule (admin key)."""
+or retention run now (admin key). Pausing and resuming a policy's schedule is
+`gateway.controllers.policy_actions`, shared with the dashboard."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from gateway.errors import APIError, InvalidRequest, NotFound, invalid_policy_co
 from gateway.scheduling import Jobs
 from storage.audit import record_audit
 from storage.jobs import RunInfo, get_run, list_runs
-from storage.policies import get_policy, update_policy_config
+from storage.policies import get_policy
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.control.scheduler import JobBusy, JobKind, TrainOptions
 
@@ -35,11 +36,6 @@ class TrainBody(msgspec.Struct, forbid_unknown_fields=True):
 
     overrides: dict[str, Any] = {}
     since: datetime | None = None
-
-
-class ScheduleView(msgspec.Struct):
-    policy: str
-    schedule: dict[str, Any]
 
 
 class RunsController(Controller):
@@ -121,28 +117,6 @@ class RunsController(Controller):
         """Prune old calls and unused versions now, in the background."""
         return await _start(request, jobs, session, name, "retention")
 
-    @post("/policies/{name:str}/pause", status_code=200)
-    async def pause(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-        jobs: NamedDependency[Jobs],
-    ) -> ScheduleView:
-        """Stop the policy's scheduled jobs (manual runs still work)."""
-        return await set_paused(session, jobs, principal_of(request).actor, name, True)
-
-    @post("/policies/{name:str}/resume", status_code=200)
-    async def resume(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-        jobs: NamedDependency[Jobs],
-    ) -> ScheduleView:
-        """Restart the policy's scheduled jobs."""
-        return await set_paused(session, jobs, principal_of(request).actor, name, False)
-
 
 async def _start(
     request: Request[Any, Any, Any],
@@ -165,21 +139,3 @@ async def _start(
         details["since"] = options.since.isoformat() if options.since is not None else None
     await record_audit(session, principal_of(request).actor, f"run.{kind}", name, details)
     return Started(run_id, name, kind)
-
-
-async def set_paused(session: AsyncSession, jobs: Jobs, actor: str, name: str, paused: bool) -> ScheduleView:
-    """Pause or resume a policy's schedule, audited as `actor` (the admin API and the dashboard)."""
-    policy = await get_policy(session, name)
-    if policy is None:
-        raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
-    try:
-        schedule = load_policy_config(policy.config).schedule
-    except InvalidPolicyConfig as exc:
-        raise invalid_policy_config(exc) from exc
-    stored = {**dict(policy.config.get("schedule") or {}), "paused": paused}
-    await update_policy_config(session, policy.id, {**policy.config, "schedule": stored})
-    action = "policy.pause" if paused else "policy.resume"
-    await record_audit(session, actor, action, name)
-    await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own
-    await jobs.sync()
-    return ScheduleView(name, schedule.model_copy(update={"paused": paused}).model_dump(mode="json"))

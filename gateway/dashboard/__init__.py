@@ -23,10 +23,11 @@ from litestar.response import Redirect, Template
 from litestar.template.config import TemplateConfig
 
 from gateway.controllers.params import PathName
+from gateway.controllers.policy_actions import PolicyActions
 from gateway.dashboard.actions import DashboardActions, DashboardLogin
 from gateway.dashboard.formatting import FILTERS
 from gateway.dashboard.pages import DashboardPages, LoginPage
-from gateway.dashboard.sessions import LoginRequired, SessionSigner
+from gateway.dashboard.sessions import LoginRequired, SessionSigner, requires_login
 from gateway.errors import APIError, NotFound
 from gateway.keyfile import generated_key
 from gateway.settings import Settings
@@ -112,15 +113,20 @@ def _page_error(request: Request[Any, Any, Any], exc: Exception) -> Response[Any
 
 
 def dashboard_routers() -> list[Router]:
-    """The dashboard's routes: pages and actions under /dashboard, and its static assets."""
+    """The dashboard's routes: pages, login and actions under /dashboard, and its static assets."""
     pages = Router(
         path="/",
         route_handlers=[LoginPage, DashboardPages],
         exception_handlers={LoginRequired: _page_error, APIError: _page_error, HTTPException: _page_error},
         response_headers=SECURITY_HEADERS,
     )
+    login = Router(path="/", route_handlers=[DashboardLogin], response_headers=SECURITY_HEADERS)
+    # The policy actions are the admin API's handlers, here behind a session instead of an admin key.
     actions = Router(
-        path="/", route_handlers=[DashboardLogin, DashboardActions], response_headers=SECURITY_HEADERS
+        path="/dashboard",
+        route_handlers=[DashboardActions, PolicyActions],
+        guards=[requires_login(page=False)],
+        response_headers=SECURITY_HEADERS,
     )
     static = Router(path="/", route_handlers=[static_asset], response_headers=SECURITY_HEADERS[:3])
-    return [pages, actions, static]
+    return [pages, login, actions, static]

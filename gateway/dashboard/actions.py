@@ -1,6 +1,6 @@
-"""The dashboard's writes, as JSON fetches from its pages: log in and out, label an episode or a call, promote,
-roll back, pause and resume. Labels go through the feedback service; policy changes through the admin
-operations, audited with the logged-in key as the actor."""
+"""The dashboard's writes, as JSON fetches from its pages: log in and out, and label an episode or a call
+(through the feedback service). Promote, roll back, pause and resume are the admin API's own handlers
+(`gateway.controllers.policy_actions`), registered again under /dashboard by `dashboard_routers`."""
 
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import KeyRing, LoginThrottle, client_address, counted_lookup, digest, principal_of
-from gateway.controllers.params import PathName, Version
-from gateway.controllers.policies import PolicyView, promote_version, roll_back
-from gateway.controllers.runs import ScheduleView, set_paused
-from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
+from gateway.dashboard.sessions import SessionSigner, session_of
 from gateway.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from gateway.feedback import FeedbackResult, FeedbackService, Id
-from gateway.scheduling import Jobs
 from storage.logouts import record_logout
 
 LABEL_NAME = "dashboard"
@@ -44,10 +40,6 @@ class Label(msgspec.Struct, forbid_unknown_fields=True):
     episode_id: Id | None = None
     request_id: Id | None = None
     comment: Annotated[str, msgspec.Meta(max_length=10_000)] | None = None
-
-
-class PromoteVersion(msgspec.Struct, forbid_unknown_fields=True):
-    version: Version
 
 
 def safe_next(target: str) -> str:
@@ -86,8 +78,9 @@ class DashboardLogin(Controller):
 
 
 class DashboardActions(Controller):
-    path = "/dashboard"
-    guards = [requires_login(page=False)]  # noqa: RUF012
+    """Writes of a logged-in session (the router they are registered on checks it, and its CSRF token)."""
+
+    path = "/"
 
     @post("/logout", status_code=200)
     async def logout(
@@ -131,42 +124,3 @@ class DashboardActions(Controller):
         else:
             item["request_id"] = data.request_id
         return await feedback.submit(msgspec.json.encode(item), None, principal)
-
-    @post("/policies/{name:str}/promote", status_code=200)
-    async def promote(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        data: JSONBody[PromoteVersion],
-        session: NamedDependency[AsyncSession],
-    ) -> PolicyView:
-        return await promote_version(session, principal_of(request).actor, name, data.version)
-
-    @post("/policies/{name:str}/rollback", status_code=200)
-    async def rollback(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-    ) -> PolicyView:
-        return await roll_back(session, principal_of(request).actor, name)
-
-    @post("/policies/{name:str}/pause", status_code=200)
-    async def pause(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-        jobs: NamedDependency[Jobs],
-    ) -> ScheduleView:
-        return await set_paused(session, jobs, principal_of(request).actor, name, True)
-
-    @post("/policies/{name:str}/resume", status_code=200)
-    async def resume(
-        self,
-        request: Request[Any, Any, Any],
-        name: FromPath[PathName],
-        session: NamedDependency[AsyncSession],
-        jobs: NamedDependency[Jobs],
-    ) -> ScheduleView:
-        return await set_paused(session, jobs, principal_of(request).actor, name, False)

@@ -16,10 +16,8 @@ import msgspec
 from msgspec import UNSET
 
 from gateway.normalize import Captured
-from gateway.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChoiceLogprobs,
+from gateway.protocol import ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, TokenLogprob, Usage
+from gateway.responses.protocol import (
     CreateResponseRequest,
     IncompleteDetails,
     InputTokensDetails,
@@ -55,9 +53,7 @@ from gateway.protocol import (
     ResponseTextParam,
     ResponseTopLogprob,
     ResponseUsage,
-    TokenLogprob,
     TopLogProb,
-    Usage,
 )
 
 _encode = msgspec.json.Encoder().encode

@@ -23,7 +23,7 @@ import msgspec
 
 from gateway.errors import InvalidRequest
 from gateway.json_schemas import check_schema
-from gateway.protocol import (
+from gateway.responses.protocol import (
     CreateResponseRequest,
     FunctionCallItem,
     FunctionCallOutputItem,

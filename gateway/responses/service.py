@@ -17,7 +17,6 @@ from gateway.auth import Principal
 from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError, InvalidRequest
 from gateway.normalize import Captured
-from gateway.protocol import FunctionCallItem, FunctionCallOutputItem, InputMessageItem
 from gateway.responses.output import (
     ResponseEvents,
     ResponseShape,
@@ -30,6 +29,7 @@ from gateway.responses.output import (
     response_id,
     to_builtins,
 )
+from gateway.responses.protocol import FunctionCallItem, FunctionCallOutputItem, InputMessageItem
 from gateway.responses.request import (
     LOGPROBS_INCLUDE,
     InputItem,

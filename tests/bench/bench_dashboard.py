@@ -36,11 +36,11 @@ import httpx
 from sqlalchemy import text
 
 from gateway.settings import Settings, async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
 from storage.locks import acquire_lock
 from storage.rollups import LOCK_KEY, mark_span, refresh_rollups
-from storage.schema import upgrade_database
 from tests.bench.bench_writer import make_record
 from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer

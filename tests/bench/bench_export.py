@@ -29,11 +29,11 @@ from typing import Any
 import psutil
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
 from storage.records import CallRecord
 from storage.rewards import NewReward, insert_rewards
-from storage.schema import upgrade_database
 
 logger = logging.getLogger("bench_export")
 DEFAULT_OUT = Path(__file__).parent / "results" / "export.json"

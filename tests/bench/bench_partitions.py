@@ -39,12 +39,12 @@ import asyncpg
 from sqlalchemy import text
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
 from storage.partitions import drop_expired_partitions, ensure_partitions
 from storage.policies import create_policy, get_policy
 from storage.retention import prune_calls
-from storage.schema import upgrade_database
 from storage.training import episode_calls, rewarded_episodes
 from tests.bench.bench_writer import make_record
 from tests.support.postgres import PostgresServer, find_bin_dir

@@ -33,8 +33,8 @@ import aiohttp
 
 from gateway.commands.serve_process import GatewayProcess
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
-from storage.schema import upgrade_database
 from tests.bench.bench_overhead import Processes, Target, wait_healthy
 from tests.bench.bench_sustained import Run, load, row_count
 from tests.bench.bench_writer import make_record

@@ -24,8 +24,8 @@ from typing import Any
 
 from gateway.capture.sink import CaptureSink
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.records import CallRecord
-from storage.schema import upgrade_database
 from tests.support.postgres import PostgresServer, find_bin_dir
 from tests.support.proc_stats import cpu_seconds, tree_cpu_seconds
 

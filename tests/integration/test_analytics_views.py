@@ -15,13 +15,13 @@ import pytest
 from sqlalchemy import update
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
-from storage.episodes import get_trajectories
+from storage.episodes import get_transcripts
 from storage.models import Episode, JudgeGroup, Reward
 from storage.records import CallRecord
 from storage.rewards import NewReward, insert_rewards, record_judge_group
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.postgres import PostgresServer
 from trainer.control.rewards import refresh_episode_rewards
@@ -288,7 +288,7 @@ async def _trajectories(url: str, ids: list[str]) -> dict[str, list[dict[str, An
     database = Database(async_database_url(url))
     try:
         async with database.session() as session:
-            found = await get_trajectories(session, ids)
+            found = await get_transcripts(session, ids)
     finally:
         await database.dispose()
     return {i: t.messages for i, t in found.items()}

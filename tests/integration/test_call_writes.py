@@ -13,11 +13,11 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import _copy_new, write_calls
 from storage.database import Database
 from storage.models import Call, Episode
 from storage.records import CallRecord, LoggedCall
-from storage.schema import upgrade_database
 from tests.support.postgres import PostgresServer
 
 

@@ -18,9 +18,9 @@ import pytest
 
 from gateway.commands.main import main
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 

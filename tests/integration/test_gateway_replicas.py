@@ -362,7 +362,7 @@ def test_a_cron_slot_fired_by_every_replica_runs_once(postgres: PostgresServer, 
     url = async_database_url(postgres.create_database("cron_slot_" + uuid.uuid4().hex[:8]))
 
     async def scenario() -> list[Any]:
-        from storage.schema import upgrade_database
+        from migrations.runner import upgrade_database
 
         await upgrade_database(url)
         databases = [Database(url) for _ in range(REPLICAS)]

@@ -10,11 +10,11 @@ import pytest
 from sqlalchemy import select
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.locks import acquire_lock, lock_owner, release_lock, renew_lock
 from storage.models import JobLock
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.support.polling import wait_until_async
 from trainer.learner.job import TrainingBusy, TrainRequest, run_training
 

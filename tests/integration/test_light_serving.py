@@ -25,7 +25,7 @@ _SERVE = textwrap.dedent(
 
     from gateway.app import build_services, create_app
     from gateway.settings import Settings
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     after_import = sorted(m for m in {heavy} if m in sys.modules)
 

@@ -22,8 +22,8 @@ import pytest
 
 from gateway.auth import create_key
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database_sync
 from storage.database import Database
-from storage.schema import upgrade_database_sync
 from tests.conftest import query
 from tests.integration.test_keys_and_tenancy import bearer
 from tests.support.gateway_server import GatewayServer

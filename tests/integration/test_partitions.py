@@ -16,13 +16,13 @@ from alembic import command
 from sqlalchemy import text
 
 from gateway.settings import async_database_url
+from migrations.runner import alembic_config, upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
 from storage.models import Reward
 from storage.partitions import ensure_partitions, list_partitions, partition_name
 from storage.policies import create_policy
 from storage.records import CallRecord
-from storage.schema import alembic_config, upgrade_database
 from tests.integration.test_scheduler import runner
 from tests.support.postgres import PostgresServer
 from tests.support.sql import fetch_rows

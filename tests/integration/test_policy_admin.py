@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from gateway.commands.main import main
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
 from storage.policies import activate_version, add_adapter, create_policy, get_policy, update_policy_config
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 

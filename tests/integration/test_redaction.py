@@ -16,10 +16,10 @@ import pytest
 from gateway.engines.upstream import UpstreamEngine
 from gateway.routing import ModelRouter, PoliciesUnavailable
 from gateway.settings import Settings, async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
-from storage.episodes import get_trajectory
+from storage.episodes import get_transcript
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
 from tests.integration.test_feedback import add_policy
@@ -74,7 +74,7 @@ def trajectory(url: str, episode_id: str) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         database = Database(async_database_url(url))
         async with database.session() as session:
-            found = await get_trajectory(session, episode_id)
+            found = await get_transcript(session, episode_id)
         await database.dispose()
         assert found is not None
         return found.as_dict()

@@ -22,12 +22,12 @@ import pytest
 from sqlalchemy import update
 
 from gateway.settings import Settings, async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.jobs import list_runs
 from storage.locks import acquire_lock
 from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.polling import wait_until_async
 from trainer.control.ruler import JudgeSettings

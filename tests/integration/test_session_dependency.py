@@ -17,10 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.app import integrity_conflict, provide_session
 from gateway.errors import APIError, InvalidRequest
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.models import Policy
 from storage.policies import list_policies
-from storage.schema import upgrade_database
 from tests.support.ports import free_port
 
 

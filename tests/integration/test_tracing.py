@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -195,7 +195,7 @@ _SERVE = textwrap.dedent(
     from litestar.testing import AsyncTestClient
     from gateway.app import build_services, create_app
     from gateway.settings import Settings
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     async def serve() -> int:
         settings = Settings.load(None)

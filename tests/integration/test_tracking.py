@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from tests.support.wandb_offline import read_offline_run
 from trainer.learner.job import TrainOutcome, TrainRequest, run_training

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy, get_policy, list_adapters
-from storage.schema import upgrade_database
 from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy, list_adapters
-from storage.schema import upgrade_database
 from tests.support.training_data import RewardedReply, write_rewarded_groups
 from trainer.control.policy_config import TrainConfig, load_policy_config
 from trainer.control.ruler import JudgeSettings

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy
-from storage.schema import upgrade_database
 from tests.integration.test_train_grpo import (
     CONFIG,
     PROMPTS,

@@ -7,12 +7,12 @@ import time
 from datetime import UTC, datetime
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
 from storage.models import Episode, Reward
 from storage.policies import create_policy
 from storage.records import CallRecord
-from storage.schema import upgrade_database
 from storage.training import (
     episode_calls,
     finish_run,

@@ -15,8 +15,8 @@ import time
 from sqlalchemy import bindparam, text
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
-from storage.schema import upgrade_database
 from tests.support.postgres import PostgresServer
 
 EPISODES = 15_000

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 
 from gateway.settings import async_database_url
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.jobs import start_job_run, update_run
 from storage.policies import activate_version, add_adapter, create_policy, get_policy
 from storage.rewards import record_judge_group
-from storage.schema import upgrade_database
 
 _CSRF = re.compile(r'<meta name="csrf-token" content="([^"]+)">')
 

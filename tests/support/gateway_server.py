@@ -14,7 +14,7 @@ import uvicorn
 from gateway.app import Services, build_services, create_app
 from gateway.http_protocol import OpenAIHttpToolsProtocol
 from gateway.settings import Settings
-from storage.schema import upgrade_database
+from migrations.runner import upgrade_database
 from tests.support.ports import free_port
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from trainer.control.collapse import CollapseBounds, CollapseSignals, check, measure
 from trainer.control.policy_config import TrainConfig
 from trainer.learner.advantages import group_advantages, has_signal
@@ -100,7 +100,7 @@ def train_until_collapsed(
             for index, (context, group) in enumerate(zip(contexts, groups, strict=True)):
                 rewards = [
                     reward(
-                        Trajectory(
+                        EpisodeTranscript(
                             f"hack-{round_index}-{index}-{j}",
                             [*context, {"role": "assistant", "content": sample.text}],
                         ).as_dict()

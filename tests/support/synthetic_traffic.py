@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from storage.schema import upgrade_database
+from migrations.runner import upgrade_database
 
 POLICIES = ("support", "triage", "search")
 VERSIONS = 6

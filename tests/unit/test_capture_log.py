@@ -25,10 +25,10 @@ from gateway.capture.writer import (
     segment_numbers,
     segment_path,
 )
+from migrations.runner import upgrade_database_sync
 from storage.calls import write_calls
 from storage.database import Database
 from storage.records import CallRecord
-from storage.schema import upgrade_database_sync
 from tests.support.polling import wait_until_async
 from tests.support.ports import free_port
 

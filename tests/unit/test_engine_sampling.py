@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from tests.support.ports import free_port
 from tests.unit.test_trainer_data import FixedSampler, Template, trajectory
 from trainer.control.gateway_requests import EngineSamplingError
@@ -174,9 +174,9 @@ class RecordingScorer:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.groups: list[list[Trajectory]] = []
+        self.groups: list[list[EpisodeTranscript]] = []
 
-    async def score(self, trajectories: Sequence[Trajectory]) -> GroupScore:
+    async def score(self, trajectories: Sequence[EpisodeTranscript]) -> GroupScore:
         self.groups.append(list(trajectories))
         scores = [
             Score(t.episode_id, float(len(t.messages[-1]["content"] or "")), None) for t in trajectories

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from storage.jobs import RunInfo
 from trainer.control import gate
 from trainer.control.collapse import CollapseBounds, measure
@@ -85,7 +85,7 @@ def test_gate_asks_both_versions_each_context_with_one_seed(monkeypatch: pytest.
             return [{"role": "assistant", "content": "Red."}] * 2
 
     class Scorer:
-        async def score(self, trajectories: list[Trajectory]) -> GroupScore:
+        async def score(self, trajectories: list[EpisodeTranscript]) -> GroupScore:
             return GroupScore("function", "f", None, [Score(t.episode_id, 1.0, None) for t in trajectories])
 
     monkeypatch.setattr(gate, "held_out_contexts", held_out)

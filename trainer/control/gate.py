@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from storage.database import Database
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from storage.jobs import RunInfo
 from storage.training import episode_calls, rewarded_episodes
 from trainer.control.collapse import (
@@ -240,7 +240,7 @@ async def evaluate(
             for version, version_replies in zip((candidate, active), replies, strict=True):
                 for j, reply in enumerate(version_replies):
                     trajectories.append(
-                        Trajectory(
+                        EpisodeTranscript(
                             episode_id=f"gate-{run.id}-{index}-{version}-{j}",
                             messages=[*context.messages, reply],
                             policy=policy,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from storage.database import Database
-from storage.episodes import get_trajectories, scoring_candidates
+from storage.episodes import get_transcripts, scoring_candidates
 from storage.rewards import NewReward, insert_rewards, record_judge_group
 from trainer.control.rewards import policy_reward_config, refresh_episode_rewards
 from trainer.control.ruler import Complete, JudgeSettings, litellm_complete
@@ -131,7 +131,7 @@ async def judge_policy(
         async with gate:
             try:
                 async with database.session() as session:
-                    found = await get_trajectories(session, episode_ids)
+                    found = await get_transcripts(session, episode_ids)
                 trajectories = [found[e] for e in episode_ids if e in found]
                 result = await scorer.score(trajectories)
                 report.rewards += await _store(

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from trainer.control.policy_config import RewardConfig
 from trainer.control.ruler import Complete, JudgeSettings, judge_group, litellm_complete
 
@@ -116,7 +116,7 @@ class Scorer:
         """RULER compares: a group needs several attempts. Other scorers score one trajectory at a time."""
         return self.config.scorer.min_group_size if self.kind == "judge" else 1
 
-    async def score(self, trajectories: Sequence[Trajectory]) -> GroupScore:
+    async def score(self, trajectories: Sequence[EpisodeTranscript]) -> GroupScore:
         if self.kind == "judge":
             return await self._ruler(trajectories)
         started = time.perf_counter()
@@ -130,7 +130,7 @@ class Scorer:
             return GroupScore(self.kind, name, None, None, f"{type(exc).__name__}: {exc}"[:2000])
         return GroupScore(self.kind, name, None, scores, latency_ms=(time.perf_counter() - started) * 1000)
 
-    async def _ruler(self, trajectories: Sequence[Trajectory]) -> GroupScore:
+    async def _ruler(self, trajectories: Sequence[EpisodeTranscript]) -> GroupScore:
         if not self.judge.model:
             return GroupScore("judge", "ruler", None, None, "no judge model: set KAIZEN_JUDGE_MODEL")
         outcome = await judge_group(
@@ -156,7 +156,7 @@ class Scorer:
             outcome.cost_usd,
         )
 
-    async def _function(self, trajectories: Sequence[Trajectory]) -> list[Score]:
+    async def _function(self, trajectories: Sequence[EpisodeTranscript]) -> list[Score]:
         function = load_function(self.config.scorer.function or "")
         scores = []
         for trajectory in trajectories:
@@ -167,7 +167,7 @@ class Scorer:
             scores.append(Score(trajectory.episode_id, value, explanation))
         return scores
 
-    async def _webhook(self, trajectories: Sequence[Trajectory]) -> list[Score]:
+    async def _webhook(self, trajectories: Sequence[EpisodeTranscript]) -> list[Score]:
         scorer = self.config.scorer
         url = scorer.webhook_url or ""
         scores = []

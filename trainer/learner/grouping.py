@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import polars as pl
 
-from storage.episodes import Trajectory
+from storage.episodes import EpisodeTranscript
 from trainer.control.policy_config import TrainConfig
 from trainer.control.rollouts import (
     Rollout,
@@ -328,12 +328,12 @@ class PolicyReplyScorer:
         self, conversations: list[list[dict[str, Any]]], original: list[dict[str, Any]]
     ) -> list[float | None]:
         transcripts = [
-            Trajectory(episode_id=f"resample-{i}", messages=messages, policy=self.policy)
+            EpisodeTranscript(episode_id=f"resample-{i}", messages=messages, policy=self.policy)
             for i, messages in enumerate(conversations)
         ]
         judged = list(transcripts)
         if self.inner.source == "judge":
-            judged.insert(0, Trajectory(episode_id="original", messages=original, policy=self.policy))
+            judged.insert(0, EpisodeTranscript(episode_id="original", messages=original, policy=self.policy))
         outcome = await self.inner.score(judged)
         if outcome.scores is None:
             logger.warning("scorer failed on resampled attempts: %s", outcome.error)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import get_policy
-from storage.schema import upgrade_database
 from trainer.control.launch import ranks_from_environment
 from trainer.control.rewards import policy_reward_config
 from trainer.control.scoring import Scorer

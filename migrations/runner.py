@@ -1,5 +1,9 @@
 """Apply Alembic migrations programmatically (`kaizen db upgrade`, and `kaizen serve` at start), and open a
-migrated database for the one-shot commands."""
+migrated database for the one-shot commands.
+
+It lives beside the migrations it runs, so the dependency points one way: migrations use storage's models,
+storage never imports migrations.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +18,13 @@ from alembic.config import Config
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-import migrations
 from storage.database import Database
 from storage.partitions import ensure_partitions
 
 
 def alembic_config(url: str) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("script_location", str(Path(__file__).parent))
     config.set_main_option("sqlalchemy.url", url)
     return config
 
