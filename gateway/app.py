@@ -13,7 +13,9 @@ from litestar import Litestar, Request, Response, Router
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
+from litestar.handlers import asgi
 from litestar.template.config import TemplateConfig
+from litestar.types import Receive, Scope, Send
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -43,6 +45,8 @@ from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
 from gateway.exposure import cors_config, json_bodies_only, loopback_hosts_only
 from gateway.feedback import FeedbackService
+from gateway.mcp import PATH as MCP_PATH
+from gateway.mcp import McpEndpoint, PolicyTools, requires_policy_tools
 from gateway.metrics import GatewayMetrics, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
@@ -73,6 +77,7 @@ class Services:
     feedback: FeedbackService
     jobs: Jobs
     keys: KeyRing
+    mcp: McpEndpoint
     metrics: GatewayMetrics | None = None
     tracer: CallTracer | None = None
 
@@ -235,6 +240,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         on_stored=metrics.calls.feedback_items if metrics is not None else None,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
+    mcp = McpEndpoint(database, PolicyTools(database, settings.policy_refresh_s), router.redactor)
     return Services(
         settings,
         database,
@@ -247,6 +253,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         feedback,
         jobs,
         keys,
+        mcp,
         metrics,
         tracer,
     )
@@ -363,6 +370,11 @@ def create_app(services: Services) -> Litestar:
     """Build the app around already-constructed services (tests pass their own engine)."""
     settings = services.settings
 
+    @asgi(MCP_PATH, is_mount=True, copy_scope=True, guards=[requires_policy_tools(services.database)])
+    async def mcp_mount(scope: Scope, receive: Receive, send: Send) -> None:
+        """`/mcp/<policy>`: the policy's tools as an MCP server (`gateway.mcp`)."""
+        await services.mcp.handle(scope, receive, send)
+
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         await services.engine.start()
@@ -379,6 +391,7 @@ def create_app(services: Services) -> Litestar:
         try:
             yield
         finally:
+            await services.mcp.stop()
             await services.jobs.stop()
             await services.feedback.stop()
             await services.router.stop()
@@ -432,6 +445,7 @@ def create_app(services: Services) -> Litestar:
             PoliciesController,
             RunsController,
             admin,
+            mcp_mount,
             *([MetricsController] if services.metrics is not None else []),
             *dashboard,
         ],

@@ -19,7 +19,7 @@ import math
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
@@ -247,7 +247,12 @@ def set_principal(connection: ASGIConnection[Any, Any, Any, Any], principal: Pri
 
 def principal_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:
     """The principal a guard established for this request."""
-    principal: Principal = connection.scope["state"][_STATE_KEY]
+    return principal_in(connection.scope)
+
+
+def principal_in(scope: Mapping[str, Any]) -> Principal:
+    """The principal a guard established for the request of this ASGI scope (a mounted app's handlers)."""
+    principal: Principal = scope["state"][_STATE_KEY]
     return principal
 
 

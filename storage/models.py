@@ -166,6 +166,27 @@ class StoredResponse(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
+class ToolCall(Base):
+    """A call of one of a policy's tools through the gateway's MCP endpoint, with the episode it belongs to (the
+    `X-Episode-Id` of the request). No foreign key: the episode's first chat call may still be on its way."""
+
+    __tablename__ = "tool_calls"
+    __table_args__ = (Index("ix_tool_calls_episode_id_created_at", "episode_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    episode_id: Mapped[str | None] = mapped_column(String(64))
+    policy: Mapped[str] = mapped_column(String(POLICY_NAME_LENGTH), index=True)
+    tool: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(64))  # the MCP server's name, or `function`
+    arguments: Mapped[Any] = mapped_column(JSON)
+    result: Mapped[str] = mapped_column(Text)
+    is_error: Mapped[bool] = mapped_column(Boolean)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    key_id: Mapped[str | None] = mapped_column(String(64))
+    project: Mapped[str] = mapped_column(String(128), default=DEFAULT_PROJECT)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+
+
 class StitchKey(Base):
     """Index for prefix stitching: the hash of `messages + reply` of a call points at its episode."""
 

@@ -1,4 +1,5 @@
-"""`GET /v1/episodes/{id}` (the trajectory with its rewards) and `PUT /v1/episodes/{id}` (metadata, tags)."""
+"""`GET /v1/episodes/{id}` (the trajectory with its rewards and tool calls) and `PUT /v1/episodes/{id}`
+(metadata, tags)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gateway.errors import APIError, InvalidRequest, NotFound
 from gateway.routing import ModelRouter
 from storage.episodes import EpisodeTranscript, episode_policy, get_transcript, update_episode
 from storage.rewards import RewardInfo, rewards_for_episodes
+from storage.tool_calls import ToolCallInfo, episode_tool_calls
 
 
 # The API's names differ from storage's in places (`request_id` is a call's id): fields are renamed, and
@@ -47,6 +49,19 @@ class RewardOut(Struct):
     created_at: datetime
 
 
+class ToolCallOut(Struct):
+    """A call of one of the policy's tools made through `/mcp/<policy>` for this episode."""
+
+    id: str
+    tool: str
+    source: str
+    arguments: Any
+    result: str
+    is_error: bool
+    latency_ms: float
+    created_at: datetime
+
+
 class EpisodeOut(Struct):
     episode_id: str = msgspec.field(name="id")
     policy: str | None
@@ -59,6 +74,7 @@ class EpisodeOut(Struct):
     messages: list[dict[str, Any]]
     turns: list[TurnOut]
     rewards: list[RewardOut] = []
+    tool_calls: list[ToolCallOut] = []
     created_at: datetime | None = None
     updated_at: datetime | None = None
 
@@ -68,10 +84,15 @@ class EpisodeUpdate(Struct, forbid_unknown_fields=True):
     tags: list[str] | UnsetType = UNSET
 
 
-def _out(trajectory: EpisodeTranscript, rewards: list[RewardInfo]) -> EpisodeOut:
+def _out(trajectory: EpisodeTranscript, rewards: list[RewardInfo], tools: list[ToolCallInfo]) -> EpisodeOut:
     out = msgspec.convert(trajectory, EpisodeOut, from_attributes=True)
     return msgspec.structs.replace(
-        out, rewards=msgspec.convert(rewards, list[RewardOut], from_attributes=True)
+        out,
+        rewards=msgspec.convert(rewards, list[RewardOut], from_attributes=True),
+        # Only the calls made with a key of the episode's project: an id another project guessed is not its.
+        tool_calls=msgspec.convert(
+            [c for c in tools if c.project == trajectory.project], list[ToolCallOut], from_attributes=True
+        ),
     )
 
 
@@ -91,7 +112,7 @@ class EpisodesController(Controller):
         trajectory = await get_transcript(session, episode_id)
         if trajectory is not None and principal.sees(trajectory.project):
             rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
-            return _out(trajectory, rewards)
+            return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
         # Known to this process and not yet written; once everything is written, a missing episode was
         # deleted (retention) and is simply not found.
         if trajectory is None and sink.recent.episode(episode_id)[0] and sink.settling:
