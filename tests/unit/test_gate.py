@@ -52,14 +52,16 @@ def test_gate_samples_with_its_seed_and_without_one_when_unset() -> None:
         bodies.append(json.loads(request.content))
         return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "Red."}}]})
 
-    async def sample(config: GateConfig, seed: int | None) -> list[dict[str, Any]]:
+    async def sample(config: GateConfig, seed: int | None) -> list[list[dict[str, Any]]]:
         sampler = VersionSampler("http://gateway/v1", None, config)
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
             return await sampler.sample(
                 client, "p@1", Context("g", [{"role": "user", "content": "q"}], None), seed
             )
 
-    assert asyncio.run(sample(GateConfig(seed=7, samples=3), 7)) == [{"role": "assistant", "content": "Red."}]
+    assert asyncio.run(sample(GateConfig(seed=7, samples=3), 7)) == [
+        [{"role": "assistant", "content": "Red."}]
+    ]
     assert asyncio.run(sample(GateConfig(), None))
     assert [(b.get("seed"), b["n"]) for b in bodies] == [(7, 3), (None, 4)]
     assert "seed" not in bodies[1]
@@ -80,9 +82,9 @@ def test_gate_asks_both_versions_each_context_with_one_seed(monkeypatch: pytest.
     class Sampler:
         async def sample(
             self, client: httpx.AsyncClient, model: str, context: Context, seed: int | None = None
-        ) -> list[dict[str, Any]]:
+        ) -> list[list[dict[str, Any]]]:
             asked.append((model, context.group, seed))
-            return [{"role": "assistant", "content": "Red."}] * 2
+            return [[{"role": "assistant", "content": "Red."}]] * 2
 
     class Scorer:
         async def score(self, trajectories: list[EpisodeTranscript]) -> GroupScore:
@@ -114,3 +116,74 @@ def test_gate_asks_both_versions_each_context_with_one_seed(monkeypatch: pytest.
     assert seeds(GateConfig()) == {f"g{i}": {None} for i in range(3)}
     assert context_seed(None, contexts[0]) is None
     assert context_seed(11, contexts[0]) == context_seed(11, Context("other", contexts[0].messages, None))
+
+
+def test_an_agent_task_is_attempted_whole_by_both_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out task of an agent episode: each version's attempt calls the tool (answered for real here),
+    reads its result and answers; the scorer sees whole conversations, and the candidate that uses the tool
+    wins over the active version that guesses."""
+    from tests.unit.test_rollouts import TOOLS, USER, Tools
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        last = body["messages"][-1]
+        if (
+            body["model"] == "p@1" and last["role"] == "user"
+        ):  # the candidate calls the tool, forced as captured
+            assert body["tool_choice"] == "required"
+            call = {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "lookup", "arguments": '{"key": "zorland"}'},
+            }
+            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif last["role"] == "tool":
+            message = {"role": "assistant", "content": last["content"].removeprefix("capital: ")}
+        else:
+            message = {"role": "assistant", "content": "Paris"}
+        return httpx.Response(
+            200, json={"choices": [{"message": message, "finish_reason": "stop"}] * body["n"]}
+        )
+
+    context = Context("g", [USER], TOOLS, [{"tool_choice": "required"}, {"tool_choice": "auto"}])
+
+    async def held_out(*args: Any) -> list[Context]:
+        return [context]
+
+    judged: list[list[dict[str, Any]]] = []
+
+    class Scorer:
+        async def score(self, trajectories: list[EpisodeTranscript]) -> GroupScore:
+            judged.extend(t.messages for t in trajectories)
+            right = [float(t.messages[-1]["content"] == "Quix") for t in trajectories]
+            return GroupScore(
+                "function",
+                "f",
+                None,
+                [Score(t.episode_id, r, None) for t, r in zip(trajectories, right, strict=True)],
+            )
+
+    monkeypatch.setattr(gate, "held_out_contexts", held_out)
+    monkeypatch.setattr(httpx, "AsyncClient", _mocked(answer))
+    run = RunInfo(5, "p", "train", "succeeded", 0, 1, {}, {}, None, NOW, NOW)
+    config = GateConfig(samples=2, collapse_bounds={"min_distinct_share": 0.0})
+    sampler = VersionSampler("http://gateway/v1", None, config, tools=Tools())
+    result = asyncio.run(gate.evaluate(None, "p", run, 1, 0, scorer=Scorer(), sampler=sampler, config=config))  # type: ignore[arg-type]
+    assert (result.candidate_reward, result.active_reward, result.decision) == (1.0, 0.0, "promote")
+    candidate = [m for m in judged if len(m) == 4]
+    assert len(candidate) == 2 and candidate[0][2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "capital: Quix",
+    }
+
+
+def _mocked(handler: Any) -> Any:
+    """httpx.AsyncClient answering through `handler`, for code that builds its own client."""
+    real = httpx.AsyncClient
+
+    def make(*args: Any, **kwargs: Any) -> httpx.AsyncClient:
+        kwargs.pop("transport", None)
+        return real(*args, transport=httpx.MockTransport(handler), **kwargs)
+
+    return make

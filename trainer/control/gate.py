@@ -1,8 +1,11 @@
 """The evaluation gate: a candidate version is promoted only if it is not worse than the active one.
 
-Both versions answer the same held-out contexts through the serving engine (``policy@N`` and ``policy@M`` on
-the gateway's OpenAI-compatible URL, with ``X-Kaizen-No-Log`` so nothing is captured), the policy's scorer
-(reward function, webhook or RULER) scores each context's replies of both versions as one group, and the
+Both versions attempt the same held-out tasks through the serving engine (``policy@N`` and ``policy@M`` on
+the gateway's OpenAI-compatible URL, with ``X-Kaizen-No-Log`` so nothing is captured): a task starts where its
+episode's agent part starts (`trainer.control.rollouts`), so an agent's attempt is a whole rollout with its tool
+calls answered (by the policy's tools that may run outside traffic, else by the episode's recorded results), and a
+one-answer task's attempt is one reply. The policy's scorer (reward function, webhook or RULER) scores each
+task's attempts of both versions as one group, and the
 collapse signals of the candidate's replies must stay within `CollapseBounds` of the active version's. Movement
 bounds (length, entropy) are waived for a candidate whose healthy replies earned more than the active version's
 on the same contexts (`trainer.control.collapse.backed_by_reward`): terse because terse is right is not collapse.
@@ -21,6 +24,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +45,15 @@ from trainer.control.collapse import (
 )
 from trainer.control.gateway_requests import gateway_headers, post_completion
 from trainer.control.policy_config import GateConfig
+from trainer.control.rollouts import (
+    RolloutTask,
+    SampledTurn,
+    ToolCaller,
+    carried_options,
+    episode_start,
+    recorded_results,
+    roll_out,
+)
 from trainer.control.scoring import Scorer
 
 logger = logging.getLogger(__name__)
@@ -54,9 +67,17 @@ def is_held_out(group: str, fraction: float) -> bool:
 
 @dataclass(frozen=True)
 class Context:
+    """A held-out task: its group, where attempts start, the tools offered, and how its episode went (each
+    turn's request options, the tool results it recorded)."""
+
     group: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    options: list[dict[str, Any]] = field(default_factory=list)
+    recorded: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def task(self) -> RolloutTask:
+        return RolloutTask(self.messages, self.tools, self.options, self.recorded)
 
 
 @dataclass
@@ -125,8 +146,17 @@ async def held_out_contexts(
             continue
         request = ok[-1].request
         messages = list(request.get("messages") or [])
-        if messages:
-            contexts.append(Context(group, messages, request.get("tools")))
+        start = episode_start(messages)
+        if not start:
+            continue
+        choices = (ok[-1].response or {}).get("choices") or []
+        reply = [_reply_message(choices[0])] if choices else []
+        # The calls of the agent's part, in order: what each of its turns asked for.
+        agent = [c for c in ok if len(c.request.get("messages") or []) >= len(start)]
+        options = [carried_options(c.request) for c in agent]
+        contexts.append(
+            Context(group, start, request.get("tools"), options, recorded_results([*messages, *reply]))
+        )
         if len(contexts) >= config.max_groups:
             break
     return contexts
@@ -140,41 +170,84 @@ def _reply_message(choice: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-def _reply_text(reply: dict[str, Any]) -> str:
-    """What the collapse signals see: the text, or the tool calls for a reply that only calls tools."""
-    if reply.get("content"):
-        return str(reply["content"])
-    return json.dumps(reply["tool_calls"]) if reply.get("tool_calls") else ""
+def _attempt_text(attempt: list[dict[str, Any]]) -> str:
+    """What the collapse signals see of an attempt: each turn's text, or its tool calls for a turn that only
+    calls tools (an agent that stops calling its tools, or calls them with garbage, shows here)."""
+    parts = []
+    for message in attempt:
+        if message.get("role") != "assistant":
+            continue
+        if message.get("content"):
+            parts.append(str(message["content"]))
+        elif message.get("tool_calls"):
+            parts.append(json.dumps(message["tool_calls"]))
+    return "\n".join(parts)
 
 
 class VersionSampler:
-    """Samples replies of one version through an OpenAI-compatible URL (the gateway's own, by default)."""
+    """Attempts held-out tasks with one version through an OpenAI-compatible URL (the gateway's own, by default):
+    `config.samples` rollouts each, their tool calls answered by `tools` or the task's recorded results."""
 
     def __init__(
-        self, base_url: str, api_key: str | None, config: GateConfig, wait_for_version_s: float = 30
+        self,
+        base_url: str,
+        api_key: str | None,
+        config: GateConfig,
+        wait_for_version_s: float = 30,
+        *,
+        tools: ToolCaller | None = None,
+        max_turns: int = 8,
     ) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.headers = gateway_headers(api_key)
         self.config = config
         self.wait_for_version_s = wait_for_version_s
+        self.tools = tools
+        self.max_turns = max_turns
 
     async def sample(
         self, client: httpx.AsyncClient, model: str, context: Context, seed: int | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[list[dict[str, Any]]]:
+        """Each attempt's own part of the conversation (its turns and the tool results between them); an attempt
+        that reached a tool call nobody could answer is left out."""
+        turns = _VersionTurns(self, client, model, seed)
+        # vLLM refuses n > 1 for greedy sampling, whose attempts would be identical anyway.
+        n = self.config.samples if self.config.temperature > 0 else 1
+        rollouts = await roll_out(context.task(), n, turns, self.tools, max_turns=self.max_turns)
+        start = len(context.messages)
+        return [r.messages[start:] for r in rollouts if r.ending != "unanswerable"]
+
+
+@dataclass
+class _VersionTurns:
+    """One version's turns for `roll_out`: the first with the gate's seed (both versions draw alike)."""
+
+    sampler: VersionSampler
+    client: httpx.AsyncClient
+    model: str
+    seed: int | None
+
+    async def sample(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int, options: Mapping[str, Any]
+    ) -> list[SampledTurn]:
+        config = self.sampler.config
         body: dict[str, Any] = {
-            "model": model,
-            "messages": context.messages,
-            # vLLM refuses n > 1 for greedy sampling, whose replies would be identical anyway.
-            "n": self.config.samples if self.config.temperature > 0 else 1,
-            "max_tokens": self.config.max_tokens,
-            "temperature": self.config.temperature,
+            "model": self.model,
+            "messages": messages,
+            "n": n,
+            "max_tokens": config.max_tokens,
+            "temperature": config.temperature,
         }
-        if seed is not None:
-            body["seed"] = seed
-        if context.tools:
-            body["tools"] = context.tools
-        answer = await post_completion(client, self.url, body, self.headers, self.wait_for_version_s)
-        return [_reply_message(choice) for choice in answer["choices"]]
+        if self.seed is not None:
+            body["seed"] = self.seed
+            self.seed = None  # a later turn is its own draw
+        if tools:
+            body["tools"] = tools
+            body.update(options)
+        answer = await post_completion(
+            self.client, self.sampler.url, body, self.sampler.headers, self.sampler.wait_for_version_s
+        )
+        return [SampledTurn(_reply_message(c), c.get("finish_reason")) for c in answer["choices"]]
 
 
 def context_seed(seed: int | None, context: Context) -> int | None:
@@ -237,18 +310,18 @@ async def evaluate(
                 sampler.sample(client, f"{policy}@{active}", context, seed),
             )
             trajectories, owners = [], []
-            for version, version_replies in zip((candidate, active), replies, strict=True):
-                for j, reply in enumerate(version_replies):
+            for version, attempts in zip((candidate, active), replies, strict=True):
+                for j, attempt in enumerate(attempts):
                     trajectories.append(
                         EpisodeTranscript(
                             episode_id=f"gate-{run.id}-{index}-{version}-{j}",
-                            messages=[*context.messages, reply],
+                            messages=[*context.messages, *attempt],
                             policy=policy,
                             group_key=context.group,
                         )
                     )
                     owners.append(version)
-                    texts[version].append(_reply_text(reply))
+                    texts[version].append(_attempt_text(attempt))
                     asked[version].append(index)
             scored = await scorer.score(trajectories)
             if scored.scores is None:

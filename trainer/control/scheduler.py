@@ -50,6 +50,7 @@ from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scoring import Scorer
+from trainer.control.tools import ToolBox
 from trainer.control.training_job import TrainingJob
 
 logger = logging.getLogger(__name__)
@@ -463,18 +464,26 @@ class JobRunner:
             scorer = Scorer(
                 policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
             )
-            sampler = VersionSampler(self.config.gate_url, self.config.gate_api_key, config)
             try:
-                result = await evaluate(
-                    self.database,
-                    name,
-                    run,
-                    candidate,
-                    policy.active_version,
-                    scorer=scorer,
-                    sampler=sampler,
-                    config=config,
-                )
+                # Agent tasks are attempted whole: with the tools that may run outside traffic, else replayed.
+                async with ToolBox(policy_config.tools, for_resampling=True) as tools:
+                    sampler = VersionSampler(
+                        self.config.gate_url,
+                        self.config.gate_api_key,
+                        config,
+                        tools=tools,
+                        max_turns=policy_config.train.max_turns,
+                    )
+                    result = await evaluate(
+                        self.database,
+                        name,
+                        run,
+                        candidate,
+                        policy.active_version,
+                        scorer=scorer,
+                        sampler=sampler,
+                        config=config,
+                    )
             except Exception as exc:
                 logger.exception("the gate could not evaluate %s@%d", name, candidate)
                 result = GateResult(

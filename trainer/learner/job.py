@@ -27,6 +27,7 @@ from storage.training import episode_calls, finish_run, last_data_cutoff, reward
 from trainer.control.gate import is_held_out
 from trainer.control.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.control.rollouts import hermes_message
+from trainer.control.tools import ToolBox
 from trainer.learner.dataset import DataReport, TrainingExample, build_example, select_episodes
 from trainer.learner.engine_sampling import EngineEndpoint
 from trainer.learner.grouping import (
@@ -286,7 +287,13 @@ async def _train(
             sampler = LocalSampler(
                 model, tokenizer, device, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature
             )
-        groups, resampling = await resample_groups(trajectories, cfg, sampler, request.scorer, report)
+        # The policy's tools that may run while training re-run agent episodes; the others are replayed.
+        async with ToolBox(config.tools, for_resampling=True) as tools:
+            groups, resampling = await resample_groups(
+                trajectories, cfg, sampler, request.scorer, report, tools=tools
+            )
+        if tools.unavailable:
+            resampling["tools_unavailable"] = tools.unavailable
     else:
         groups, resampling = group_by_column(trajectories, cfg, report), None
     # A `resample` group shares each member's start, so only the agent's turns after it are attempts; `key` and
