@@ -39,6 +39,8 @@ from trainer.control.tools import ToolBox
 log = logging.getLogger(__name__)
 
 PATH = "/mcp"
+#: Where a listed tool comes from (its MCP server's name, or `function`), in the tool's `_meta`.
+SOURCE_META = "kaizen/source"
 EPISODE_HEADER = "x-episode-id"
 _EPISODE_ID_LENGTH = 64
 
@@ -185,7 +187,12 @@ class McpEndpoint:
             box = await self.tools.box(policy_of(ctx.request.scope))
             return types.ListToolsResult(
                 tools=[
-                    types.Tool(name=s.name, description=s.description, input_schema=s.parameters)
+                    types.Tool(
+                        name=s.name,
+                        description=s.description,
+                        input_schema=s.parameters,
+                        _meta={SOURCE_META: s.source},
+                    )
                     for s in box.specs
                 ]
             )

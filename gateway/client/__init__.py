@@ -13,19 +13,23 @@ It talks to the gateway over HTTP only (so it works against a remote one unchang
 polars nor the server side; `openai` is imported when a client is asked for. See docs/client.md.
 """
 
+from gateway.client.agent import AgentOutcome, PolicyTools, run_agent
 from gateway.client.connection import Connection, KaizenError
 from gateway.client.model import Model, Run
 from gateway.client.rollouts import Rollout, RolloutsFailed, gather
 from gateway.client.trajectories import Trajectory, TrajectoryGroup
 
 __all__ = [
+    "AgentOutcome",
     "Connection",
     "KaizenError",
     "Model",
+    "PolicyTools",
     "Rollout",
     "RolloutsFailed",
     "Run",
     "Trajectory",
     "TrajectoryGroup",
     "gather",
+    "run_agent",
 ]

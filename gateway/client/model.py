@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.client.agent import PolicyTools, open_tools
 from gateway.client.connection import Connection, KaizenError
 from gateway.client.trajectories import Trajectory, TrajectoryGroup
 
@@ -112,6 +114,11 @@ class Model:
     def trajectory(self, group_key: str | None = None) -> Trajectory:
         """A new trajectory (its own episode) of this policy, in the group `group_key`."""
         return Trajectory(self.connection, self.name, group_key)
+
+    def tools(self, trajectory: Trajectory | None = None) -> AbstractAsyncContextManager[PolicyTools]:
+        """An MCP session on the policy's tools (`/mcp/<policy>`); calls made through it join `trajectory`'s
+        episode. Use it with `gateway.client.run_agent`."""
+        return open_tools(self.connection, self.name, trajectory, timeout_s=self.connection.timeout_s)
 
     # ------------------------------------------------------------------ the policy
     async def info(self) -> dict[str, Any]:

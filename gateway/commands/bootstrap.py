@@ -1,11 +1,14 @@
 """`kaizen bootstrap --policy P --task "..."`: make a new policy better than its base model before the first user
-arrives (a cold start, as in AutoRL).
+arrives (a cold start, as in AutoRL); with `--mcp SERVER`, an agent policy from its tools (MCP•RL).
 
-1. A model writes varied scenarios for the task (`trainer.control.scenarios`: any litellm model, configured like RULER's
-   judge, or the gateway's own engine).
+1. A model writes varied scenarios for the task (`trainer.control.scenarios`: any litellm model, configured like
+   RULER's judge, or the gateway's own engine); with `--mcp`, scenarios that need the tools of one of the
+   policy's MCP servers, as the gateway lists them at `/mcp/<policy>`.
 2. The policy answers each scenario several times through the gateway, with `X-Kaizen-Source: bootstrap`, so the
    attempts are captured like traffic, grouped per scenario, and stored as episodes of source `bootstrap`
-   (visible in SQL and `GET /v1/episodes/{id}`, exportable like any other).
+   (visible in SQL and `GET /v1/episodes/{id}`, exportable like any other). With `--mcp` an attempt is a whole
+   agent episode (`gateway.client.run_agent`): its tool calls go through `/mcp/<policy>`, so they are real and
+   recorded in the episode, up to the policy's `train.max_turns` turns.
 3. The policy's scorer scores the groups (`POST /admin/policies/P/judge`: RULER, a reward function or a webhook).
 4. It trains on them (`POST /admin/policies/P/train`): GRPO when most groups have reward variance, an SFT warm
    start on the successes first when rewards are sparse. The candidate goes through the evaluation gate, on
@@ -49,7 +52,7 @@ GRPO_SIGNAL_SHARE = 0.5
 @dataclass(frozen=True)
 class BootstrapOptions:
     policy: str
-    task: str
+    task: str | None
     gateway_url: str
     admin_key: str
     scenarios: int = 24
@@ -63,6 +66,8 @@ class BootstrapOptions:
     concurrency: int = 8
     train: bool = True
     batch_size: int = 8
+    #: The policy's MCP server (or `function`) whose tools the scenarios need; None: a one-answer task.
+    mcp: str | None = None
 
 
 @dataclass
@@ -97,7 +102,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "each through the gateway (episodes of source `bootstrap`), its scorer scores them, and it trains.",
     )
     parser.add_argument("--policy", required=True, help="Policy to bootstrap (it must exist).")
-    parser.add_argument("--task", required=True, help="Plain-English description of what the policy is for.")
+    parser.add_argument(
+        "--task", help="Plain-English description of what the policy is for (optional with --mcp)."
+    )
+    parser.add_argument(
+        "--mcp",
+        metavar="SERVER",
+        help="Bootstrap an agent from the tools of this MCP server of the policy (`tools.servers[].name`, or "
+        "`function` for its Python functions): scenarios that need them, attempted with real tool calls.",
+    )
     parser.add_argument("--scenarios", type=int, default=24, help="Scenarios to write (default 24).")
     parser.add_argument("--attempts", type=int, default=4, help="Attempts per scenario, one group each (4).")
     parser.add_argument(
@@ -155,6 +168,10 @@ def options_from_arguments(args: argparse.Namespace, settings: Settings) -> Boot
         )
     if args.attempts < 2 and not args.no_train:
         raise ValueError("--attempts must be at least 2: a group needs several attempts to compare")
+    if not args.task and not args.mcp:
+        raise ValueError(
+            "give --task (what the policy is for), --mcp (the server whose tools it uses), or both"
+        )
     return BootstrapOptions(
         policy=args.policy,
         task=args.task,
@@ -170,6 +187,7 @@ def options_from_arguments(args: argparse.Namespace, settings: Settings) -> Boot
         seed=args.seed,
         concurrency=args.concurrency,
         train=not args.no_train,
+        mcp=args.mcp,
     )
 
 
@@ -219,10 +237,10 @@ def choose_mode(requested: str, rewards: Sequence[Sequence[float]], min_reward: 
 
 async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapReport) -> BootstrapReport:
     """Write, run, score and train; fills `report` as it goes (so a failure still shows what was done)."""
-    from gateway.client import Model, Trajectory, gather
+    from gateway.client import Model, Trajectory, gather, run_agent
     from trainer.control.policy_config import load_policy_config
     from trainer.control.ruler import import_litellm, takes_seed
-    from trainer.control.scenarios import write_scenarios
+    from trainer.control.scenarios import tools_task, write_scenarios
 
     model = Model(options.policy, options.gateway_url, api_key=options.admin_key, admin_key=options.admin_key)
     config = load_policy_config((await model.info()).get("config") or {})
@@ -249,9 +267,16 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
         log.warning(
             "the scenario writer %s takes no seed: the attempts are seeded, the scenarios not", writer.model
         )
+    task = options.task or ""
+    if options.mcp is not None:
+        offered = await _server_tools(model, options.mcp)
+        task = tools_task(offered, options.task)
+        log.info(
+            "%d tools of %s: %s", len(offered), options.mcp, ", ".join(t["function"]["name"] for t in offered)
+        )
     try:
         written = await write_scenarios(
-            options.task,
+            task,
             options.scenarios,
             writer,
             batch_size=options.batch_size,
@@ -278,6 +303,21 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
         if options.seed is not None:
             seed = attempt_seed(options.seed, index[scenario], started_attempts[scenario], options.attempts)
             started_attempts[scenario] += 1
+        if options.mcp is not None:
+            async with model.tools(trajectory) as tools:
+                await run_agent(
+                    trajectory,
+                    messages,
+                    tools,
+                    max_turns=config.train.max_turns,
+                    source=options.mcp,
+                    max_tokens=options.max_tokens,
+                    temperature=options.temperature,
+                    metadata={RUN_KEY: report.run_tag},
+                    extra_headers={"X-Kaizen-Source": SOURCE},
+                    extra_body={"seed": seed} if seed is not None else None,
+                )
+            return
         client = trajectory.async_openai_client(default_headers={"X-Kaizen-Source": SOURCE}, max_retries=2)
         try:
             await client.chat.completions.create(
@@ -355,6 +395,20 @@ async def bootstrap(options: BootstrapOptions, writer: Any, report: BootstrapRep
         report.notes.append(run.error)
     log.info("training run %d: %s after %.0f s", run.id, run.status, time.monotonic() - clock)
     return report
+
+
+async def _server_tools(model: Any, server: str) -> list[dict[str, Any]]:
+    """The tools of the policy's MCP server `server`, as the gateway offers them; refused clearly when it has
+    none (an unknown server, or one that did not start)."""
+    async with model.tools() as tools:
+        offered: list[dict[str, Any]] = tools.openai_tools(server)
+        sources = sorted({t.source for t in tools.listed})
+    if not offered:
+        raise ValueError(
+            f"policy {model.name} has no tools from {server!r} (its tools come from: {', '.join(sources) or 'none'}; "
+            "an MCP server that does not start is left out, see the gateway's log)"
+        )
+    return offered
 
 
 def bootstrap_command(args: argparse.Namespace) -> int:

@@ -152,3 +152,71 @@ def test_auto_mode_uses_grpo_with_signal_and_a_warm_start_when_rewards_are_spars
     assert choose_mode("auto", [[0.3, 0.3], [0.2, 0.5], [0.1, 0.1]], 0.8) == "grpo"
     assert choose_mode("auto", [[0, 0], [0.5, 0.5]], 0.8) is None
     assert choose_mode("sft", [[0, 0]], 0.8) == "sft"
+
+
+def test_bootstrap_from_an_mcp_servers_tools_attempts_whole_agent_episodes(
+    make_gateway: Callable[..., GatewayServer], tmp_path: Path
+) -> None:
+    """MCP•RL's cold start: scenarios written from the tools of the policy's MCP server, each attempted as an agent
+    episode whose tool calls go through `/mcp/<policy>` for real (recorded in the episode), then scored."""
+    url = f"sqlite:///{tmp_path / 'mcp.db'}"
+    gw = make_gateway(url, admin_key=ADMIN_KEY)
+    server = {"name": "atlas", "command": [sys.executable, "-m", "tests.support.mcp_tools"], "timeout_s": 60}
+    config = {
+        "tools": {"servers": [server]},
+        "rewards": {"scorer": {"function": "tests.support.reward_functions:length_score"}},
+    }
+    make_policy(url, "scripted-1", config)
+    # `#tool`: the scripted engine calls one of the offered tools, then answers from its result.
+    scenarios = ["Which capital is stored for zorland? #tool", "Look up the capital of vellmar. #tool"]
+    with ScriptedJudge() as writer:
+        writer.script.append(json.dumps({"scenarios": [{"message": m} for m in scenarios]}))
+        done = kaizen(
+            "bootstrap",
+            "--policy=scripted-1",
+            "--mcp=atlas",
+            "--scenarios=2",
+            "--attempts=2",
+            "--no-train",
+            f"--gateway-url={gw.url}/v1",
+            "--writer-model=writer-model",
+            f"--writer-api-base={writer.url}",
+        )
+        writer_prompt = writer.prompts()[0]
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert (report["scenarios"], report["episodes"], report["scored_episodes"]) == (2, 4, 4)
+    # The writer was shown the server's tools, and asked for tasks that need them without naming them.
+    assert "- lookup: Look up the capital stored under a country's key." in writer_prompt
+    assert "must not name the tools" in writer_prompt
+    episodes = query(url, "SELECT id FROM episodes WHERE source = 'bootstrap'")
+    assert len(episodes) == 4
+    calls = query(url, "SELECT episode_id, tool, source, is_error FROM tool_calls")
+    assert {c["episode_id"] for c in calls} == {e["id"] for e in episodes}  # every attempt called a tool
+    assert {(c["source"], bool(c["is_error"])) for c in calls} <= {("atlas", False), ("atlas", True)}
+    # An attempt is a whole episode: the tool call, its result, and the answer made from it.
+    for episode in episodes:
+        rows = query(
+            url,
+            "SELECT request, response FROM calls WHERE episode_id = :e ORDER BY position",
+            e=episode["id"],
+        )
+        assert len(rows) == 2
+        last = (
+            json.loads(rows[-1]["request"]) if isinstance(rows[-1]["request"], str) else rows[-1]["request"]
+        )
+        assert [m["role"] for m in last["messages"]] == ["user", "assistant", "tool"]
+
+
+def test_bootstrap_refuses_a_server_the_policy_does_not_have(
+    make_gateway: Callable[..., GatewayServer], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    gw = make_gateway(url, admin_key=ADMIN_KEY)
+    make_policy(url, "scripted-1", {"tools": {"functions": ["tests.support.tool_functions:capital"]}})
+    done = kaizen(
+        "bootstrap", "--policy=scripted-1", "--mcp=atlas", "--no-train", f"--gateway-url={gw.url}/v1",
+        "--writer-model=w",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "has no tools from 'atlas' (its tools come from: function" in done.stderr

@@ -11,9 +11,10 @@ is sent with seed S + k, so a rerun against an engine that honours `seed` writes
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -103,6 +104,23 @@ def parse_scenarios(text: str) -> list[str]:
     if not messages:
         raise MalformedAnswer("the answer has no scenario with a non-empty `message`")
     return messages
+
+
+def tools_task(tools: Sequence[Mapping[str, Any]], task: str | None = None) -> str:
+    """The task of an agent whose tools are `tools` (chat `tools` entries), for the writer: scenarios a user would
+    bring to it that need those tools, without naming them (MCP•RL's cold start)."""
+    lines = []
+    for tool in tools:
+        function = tool.get("function") or {}
+        schema = json.dumps(function.get("parameters") or {}, sort_keys=True)
+        lines.append(f"- {function.get('name')}: {function.get('description') or '(no description)'} {schema}")
+    described = (
+        "An agent that answers users by calling these tools (name: description, JSON schema of its arguments):\n"
+        + "\n".join(lines)
+        + "\nEach scenario must need at least one of the tools (some need several calls), must be answerable "
+        "from what the tools return, must not name the tools, and should ask for a short, checkable answer."
+    )
+    return f"{task.strip()}\n\n{described}" if task else described
 
 
 def build_request(task: str, count: int, written: Sequence[str]) -> list[dict[str, str]]:
