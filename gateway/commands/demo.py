@@ -12,6 +12,7 @@ from gateway.commands.options import (
     load_settings,
     quiet_per_request_loggers,
 )
+from gateway.demo.agent_tasks import AGENT_TASKS
 from gateway.demo.tasks import TASKS
 
 
@@ -38,10 +39,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     demo.add_argument("--seed", type=int, default=0, help="Seeds the question order and training.")
     demo.add_argument(
         "--task",
-        choices=sorted(TASKS),
+        choices=sorted([*TASKS, *AGENT_TASKS]),
         default="opposites",
         help="What the simulated app asks (gateway/demo/tasks.py): `opposites`, which the base model gets "
-        "right now and then, or `past-tense`, where its successes are rare.",
+        "right now and then, or `past-tense`, where its successes are rare; or an agent task "
+        "(gateway/demo/agent_tasks.py): `lockers`, where the app offers a tool and rewards each episode once.",
     )
     add_common_options(demo, "base_model")
     demo.set_defaults(func=demo_command)

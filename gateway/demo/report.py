@@ -29,13 +29,25 @@ class Cycle:
     empty_share: float
     errors: int
     versions: dict[str, int] = field(default_factory=dict)  # calls per serving version
+    #: Agent tasks: the share of episodes that called the tool, called it rightly, answered from its result.
+    tool_call_share: float | None = None
+    right_call_share: float | None = None
+    answered_from_result_share: float | None = None
 
 
 def summarise(index: int, calls: Sequence[CallResult]) -> Cycle:
     answered = [c for c in calls if c.error is None]
     counts = Counter(c.version for c in answered)
     replies = [c.reply for c in answered] or [""]
+    agent = [c for c in answered if c.called_tool is not None]
+
+    def share(flag: str) -> float | None:
+        return round(sum(bool(getattr(c, flag)) for c in agent) / len(agent), 4) if agent else None
+
     return Cycle(
+        tool_call_share=share("called_tool"),
+        right_call_share=share("right_call"),
+        answered_from_result_share=share("answered_from_result"),
         cycle=index,
         version=counts.most_common(1)[0][0] if counts else None,
         mean_reward=sum(c.reward for c in calls) / len(calls) if calls else 0.0,

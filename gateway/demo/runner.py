@@ -21,9 +21,10 @@ import httpx
 
 from gateway.base_models import resolve_base_model
 from gateway.commands.serve_process import GatewayProcess
+from gateway.demo.agent_tasks import AGENT_TASKS, AgentTask
 from gateway.demo.report import Cycle, summarise, write_chart, write_json
 from gateway.demo.tasks import TASKS, Task
-from gateway.demo.traffic import SimulatedApp
+from gateway.demo.traffic import AgentApp, SimulatedApp
 
 logger = logging.getLogger(__name__)
 
@@ -43,30 +44,48 @@ class DemoOptions:
     max_tokens: int = 16
     seed: int = 0
     learning_rate: float = 3e-4
-    task: str = "opposites"  # a name in gateway.demo.tasks.TASKS
+    task: str = "opposites"  # a name in gateway.demo.tasks.TASKS or gateway.demo.agent_tasks.AGENT_TASKS
     stop_at_target: bool = False  # end early once a trained version's cycle reaches the task's target reward
 
     @property
-    def the_task(self) -> Task:
-        return TASKS[self.task]
+    def the_task(self) -> Task | AgentTask:
+        return AGENT_TASKS[self.task] if self.task in AGENT_TASKS else TASKS[self.task]
+
+    @property
+    def reply_tokens(self) -> int:
+        """Tokens per reply: an agent's turn may be a tool call, longer than the one-word answers."""
+        task = self.the_task
+        return max(self.max_tokens, task.max_tokens) if isinstance(task, AgentTask) else self.max_tokens
 
 
 def policy_config(options: DemoOptions) -> dict[str, Any]:
     """The demo policy: production-style `resample` groups over every episode rewarded since the last run,
     trained as soon as a handful arrive, scored by the task's reward function where nobody gave feedback, and
-    guarded by the evaluation gate on held-out questions."""
+    guarded by the evaluation gate on held-out questions. An agent task's tool is the policy's own, so
+    resampling and the gate re-run whole episodes with it."""
+    task = options.the_task
+    config = _policy_config(options)
+    if isinstance(task, AgentTask):
+        config["rewards"]["scorer"]["function"] = "gateway.demo.agent_tasks:score"
+        config["tools"] = {"functions": [task.tool_path]}
+        config["train"]["max_turns"] = task.max_turns
+    return config
+
+
+def _policy_config(options: DemoOptions) -> dict[str, Any]:
+    tokens = options.reply_tokens
     return {
         "train": {
             "grouping": "resample",
             "group_size": 8,
-            "max_new_tokens": options.max_tokens,
+            "max_new_tokens": tokens,
             "learning_rate": options.learning_rate,
             "micro_batch_size": 8,
             "grad_accumulation": 4,
             "collapse_check_every": 0,
             "collapse_prompts": 4,
             "collapse_samples": 4,
-            "collapse_max_new_tokens": options.max_tokens,
+            "collapse_max_new_tokens": tokens,
             "seed": options.seed,
         },
         "rewards": {"scorer": {"function": "gateway.demo.tasks:score"}},
@@ -81,7 +100,7 @@ def policy_config(options: DemoOptions) -> dict[str, Any]:
             "holdout_fraction": 0.1,
             "max_groups": 8,
             "samples": 8,  # 8 contexts x 8 replies per version: the means are precise to about ±0.07
-            "max_tokens": options.max_tokens,
+            "max_tokens": tokens,
             "tolerance": 0.05,
         },
     }
@@ -108,7 +127,7 @@ def _promotion_regressions(cycles: list[Cycle], window: int = 2) -> list[float]:
     return drops
 
 
-def target_met(cycle: Cycle, task: Task) -> bool:
+def target_met(cycle: Cycle, task: Task | AgentTask) -> bool:
     """A cycle answered by a trained version (not the base, version 0) at or above the task's target reward:
     what `stop_at_target` waits for, so a run on borrowed hardware ends once it has shown the loop working."""
     return cycle.version not in (0, None) and cycle.mean_reward >= task.target_reward
@@ -148,6 +167,8 @@ def summarise_run(
         "base_distinct_share": round(base_distinct, 4),
         "min_distinct_share_after_base": min((c.distinct_share for c in after_base), default=None),
         "max_empty_share": max((c.empty_share for c in cycles), default=None),
+        # Agent tasks: how the episodes got to their answers, first and last cycles.
+        "agent_shares": _agent_shares(cycles),
         "targets": {
             f"reward_{task.target_reward}_within_{task.target_minutes:g}_min": reached is not None
             and reached.elapsed_s <= task.target_minutes * 60,
@@ -166,6 +187,19 @@ def summarise_run(
             "policy_config": policy if policy is not None else policy_config(options),
         },
         "runs": list(runs),
+    }
+
+
+def _agent_shares(cycles: list[Cycle]) -> dict[str, Any] | None:
+    if not cycles or cycles[0].tool_call_share is None:
+        return None
+    names = ("tool_call_share", "right_call_share", "answered_from_result_share")
+    last = cycles[-3:]
+    return {
+        "first_cycle": {name: getattr(cycles[0], name) for name in names},
+        "last_cycles": {
+            name: round(sum(getattr(c, name) or 0 for c in last) / len(last), 4) for name in names
+        },
     }
 
 
@@ -325,24 +359,32 @@ async def run_demo(
         await gateway.create_policy(POLICY, config)
         await wait_for_model(url, api_key, POLICY)
         logger.info("policy %r created (version 0 = the base model); traffic starts", POLICY)
-        app = SimulatedApp(
-            f"{url}/v1",
-            api_key,
-            secret,
-            options.the_task.questions(),
-            model=POLICY,
-            rate=options.rate,
-            concurrency=options.concurrency,
-            max_tokens=options.max_tokens,
-            seed=options.seed,
+        task = options.the_task
+        app_options: dict[str, Any] = {
+            "model": POLICY,
+            "rate": options.rate,
+            "concurrency": options.concurrency,
+            "max_tokens": options.reply_tokens,
+            "seed": options.seed,
+        }
+        app = (
+            AgentApp(f"{url}/v1", api_key, secret, task.questions(), task=task, **app_options)
+            if isinstance(task, AgentTask)
+            else SimulatedApp(f"{url}/v1", api_key, secret, task.questions(), **app_options)
         )
         seen_runs: set[int] = set()
         deadline = time.monotonic() + options.minutes * 60
         while time.monotonic() < deadline:
             cycle = summarise(len(cycles) + 1, await app.cycle(options.cycle_calls))
             cycles.append(cycle)
+            agent = (
+                f", tool {cycle.tool_call_share:.2f} right call {cycle.right_call_share:.2f} "
+                f"from result {cycle.answered_from_result_share:.2f}"
+                if cycle.tool_call_share is not None
+                else ""
+            )
             logger.info(
-                "cycle %3d  %6.0f s  served by v%s  mean reward %.3f  (%d calls, distinct %.2f, empty %.2f%s)",
+                "cycle %3d  %6.0f s  served by v%s  mean reward %.3f  (%d calls, distinct %.2f, empty %.2f%s%s)",
                 cycle.cycle,
                 cycle.elapsed_s,
                 cycle.version,
@@ -350,6 +392,7 @@ async def run_demo(
                 cycle.n_calls,
                 cycle.distinct_share,
                 cycle.empty_share,
+                agent,
                 f", {cycle.errors} errors" if cycle.errors else "",
             )
             for run in await _new_runs(admin, url, seen_runs):

@@ -1,5 +1,7 @@
 """The simulated app: asks the task's questions through the gateway with the `openai` SDK and sends every reply's
-reward back through the signed feedback webhook, exactly as a production app with a thumbs-up button would."""
+reward back through the signed feedback webhook, exactly as a production app with a thumbs-up button would. For an
+agent task (`AgentApp`) an episode is an agent loop: the app offers its tool, runs the calls the model asks for
+itself, sends the results back, and rewards the episode's final answer once."""
 
 from __future__ import annotations
 
@@ -8,11 +10,15 @@ import json
 import logging
 import random
 import time
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from openai import AsyncOpenAI
 
+from gateway.demo.agent_tasks import TOOL_NAME, AgentTask, Locker, open_locker, right_call
+from gateway.demo.agent_tasks import reward as locker_reward
 from gateway.demo.tasks import Question, reward
 from gateway.signing import HEADER, sign
 
@@ -30,6 +36,11 @@ class CallResult:
     version: int | None  # the policy version that served the call (from `x-kaizen-model`)
     finished_s: float  # seconds since the app started
     error: str | None = None
+    #: An agent episode's path to its answer: it called the tool, called it rightly (the question's own
+    #: argument), answered from the right result. None for one-answer tasks.
+    called_tool: bool | None = None
+    right_call: bool | None = None
+    answered_from_result: bool | None = None
 
 
 def served_version(header: str | None) -> int | None:
@@ -118,11 +129,11 @@ class SimulatedApp:
             question.key, reply, value, served_version(raw.headers.get("x-kaizen-model")), self._now()
         )
 
-    async def _feedback(self, request_id: str, value: float) -> None:
+    async def _feedback(self, request_id: str, value: float, target: str = "request_id") -> None:
         """Send the reward as a webhook would: a connection lost on the way (a keep-alive connection the
         gateway closed as it was reused) is retried, freshly signed; the idempotency key stores it once."""
         item = {
-            "request_id": request_id,
+            target: request_id,
             "value": value,
             "name": "user",
             "idempotency_key": f"demo:{request_id}",
@@ -146,3 +157,72 @@ class SimulatedApp:
     async def close(self) -> None:
         await self.client.close()
         await self.http.aclose()
+
+
+class AgentApp(SimulatedApp):
+    """An agent app: each question is an episode of up to `task.max_turns` calls with the task's tool offered,
+    the first forced to call a tool as the task says; the app runs the calls itself and rewards the episode's
+    final answer once (by its episode id)."""
+
+    def __init__(self, *args: Any, task: AgentTask, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.task = task
+
+    async def _call(self, question: Any) -> CallResult:
+        locker: Locker = question
+        episode = uuid.uuid4().hex
+        messages: list[dict[str, Any]] = [{"role": "user", "content": locker.prompt}]
+        called = right = False
+        version = None
+        try:
+            for turn in range(self.task.max_turns):
+                request: dict[str, Any] = {
+                    "model": self.model,
+                    "messages": messages,
+                    "tools": [self.task.tool],
+                    "tool_choice": self.task.first_tool_choice if turn == 0 else "auto",
+                    "max_tokens": self.max_tokens,
+                    "temperature": 1.0,
+                    "metadata": {"group_key": locker.key},
+                    "extra_headers": {"X-Episode-Id": episode},
+                }
+                raw = await self.client.chat.completions.with_raw_response.create(**request)
+                version = served_version(raw.headers.get("x-kaizen-model"))
+                message = raw.parse().choices[0].message
+                calls = message.tool_calls or []
+                if not calls:
+                    break
+                messages.append(message.model_dump(exclude_none=True))
+                for call in calls:
+                    arguments = call.function.arguments  # type: ignore[union-attr]
+                    called = True
+                    right = right or right_call(arguments, locker)
+                    result = (
+                        open_locker(json.loads(arguments).get("number", -1))
+                        if call.function.name == TOOL_NAME and _object(arguments)  # type: ignore[union-attr]
+                        else json.dumps({"error": "unknown tool or arguments"})
+                    )
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        except Exception as exc:  # counted in the cycle's errors; the demo goes on like an app would
+            logger.warning("episode failed: %s", exc)
+            return CallResult(locker.key, "", 0.0, version, self._now(), error=str(exc))
+        answer = message.content if not calls else None
+        value = locker_reward(answer, locker)
+        await self._feedback(episode, value, target="episode_id")
+        return CallResult(
+            locker.key,
+            answer or "",
+            value,
+            version,
+            self._now(),
+            called_tool=called,
+            right_call=right,
+            answered_from_result=right and value == 1.0,
+        )
+
+
+def _object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False

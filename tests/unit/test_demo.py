@@ -226,3 +226,42 @@ def test_feedback_lost_on_the_way_is_resent_signed_anew_with_one_idempotency_key
     first, second = (json.loads(r.content) for r in sent)
     assert first == second and first["idempotency_key"] == "demo:req-1"
     assert sent[0].headers[HEADER] != sent[1].headers[HEADER]  # a resend is not a replay
+
+
+def test_the_locker_task_needs_the_tool_and_the_right_field() -> None:
+    """Made-up words in numbered lockers: only the tool knows them; its result also names the word the locker
+    held before, so an answer that repeats the whole result names two words and scores 0."""
+    from gateway.demo.agent_tasks import LOCKER_TASK, LOCKERS, open_locker, reward, right_call, score
+
+    lockers = LOCKER_TASK.questions()
+    assert len(lockers) == 60 and len({lk.word for lk in lockers}) == 60
+    locker = lockers[0]
+    found = json.loads(open_locker(locker.number))
+    assert found == {"locker": locker.number, "secret_word": locker.word, "previous_word": locker.previous}
+    assert found["previous_word"] != locker.word and LOCKERS[locker.number] == locker
+    assert json.loads(open_locker(5)) == {"error": "there is no locker 5"}
+    assert reward(locker.word.capitalize() + ".", locker) == 1.0
+    assert reward(f"{locker.word} (it held {locker.previous} before)", locker) == 0.0
+    assert reward(None, locker) == reward("I do not know.", locker) == 0.0
+    assert right_call(json.dumps({"number": locker.number}), locker)
+    assert not right_call(json.dumps({"number": locker.number + 1}), locker)
+    assert not right_call("not json", locker) and not right_call("{}", locker)
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "open_locker"}}]}
+    user = {"role": "user", "content": locker.prompt}
+    answered = {"messages": [user, call, {"role": "tool", "content": "..."}, {"role": "assistant", "content": locker.word}]}
+    assert score(answered) == 1.0
+    assert score({"messages": [user, call]}) == 0.0  # still calling tools when the episode ended
+    with pytest.raises(ValueError, match="not a demo locker question"):
+        score({"messages": [{"role": "user", "content": "hello"}]})
+
+
+def test_an_agent_demos_policy_runs_its_tool_and_scores_whole_episodes() -> None:
+    from gateway.demo.runner import DemoOptions, policy_config
+    from trainer.control.policy_config import load_policy_config
+
+    options = DemoOptions(None, Path("d"), Path("m"), "smollm2-135m-instruct", task="lockers")
+    config = load_policy_config(policy_config(options))
+    assert [f.path for f in config.tools.functions] == ["gateway.demo.agent_tasks:open_locker"]
+    assert config.rewards.scorer.function == "gateway.demo.agent_tasks:score"
+    assert config.train.grouping == "resample" and config.train.max_turns == 3
+    assert config.train.max_new_tokens == options.reply_tokens == 48  # room for a tool call
