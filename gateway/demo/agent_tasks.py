@@ -2,9 +2,9 @@
 
 `lockers`: "What is the secret word in locker 42?". Sixty lockers hold made-up secret words, so no model knows
 them: the agent must call `open_locker` with the right number, read the result, and answer with the word it
-found. The result also names the word the locker held before, another of the task's words: an answer that
-repeats the whole result names two candidates and scores 0 (the demo's no-hedging rule), so the agent must pick
-the right field. The app forces the first turn to call a tool (`tool_choice: required`), as apps that always
+found. The result first names the word the locker held before, another of the task's words: an answer that
+repeats the whole result names two candidates and scores 0 (the demo's no-hedging rule), and one that takes the
+first word it reads is wrong, so the agent must read the right field. The app forces the first turn to call a tool (`tool_choice: required`), as apps that always
 look something up do; the embedded model then calls it, but with the right number and answering with the right
 word only now and then (base rates in docs/training.md).
 
@@ -133,7 +133,8 @@ def open_locker(number: int) -> str:
     locker = LOCKERS.get(int(number))
     if locker is None:
         return json.dumps({"error": f"there is no locker {number}"})
-    return json.dumps({"locker": locker.number, "secret_word": locker.word, "previous_word": locker.previous})
+    # The earlier word comes first: an agent that copies the first word it reads gets it wrong.
+    return json.dumps({"locker": locker.number, "previous_word": locker.previous, "secret_word": locker.word})
 
 
 def reward(answer: str | None, locker: Locker) -> float:
