@@ -73,7 +73,7 @@ _EXIT_GRACE_S = 5.0
 _START_TIMEOUT_S = 60.0
 # The writer must run this very code (the log's format and the pipe's messages are shared): the directory this
 # package was imported from goes first on its path, whatever the working directory is.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The spool file of earlier versions, which held calls while the database was down: stored like a leftover.
 _LEGACY_SPOOL = "calls.jsonl"
 

@@ -377,3 +377,13 @@ def test_the_writer_reports_the_final_episode_of_provisionally_stitched_calls(
     asyncio.run(run())
     assert sorted(reported) == [("call-1", "ep-1"), ("call-2", "ep-1")]
     assert stored_ids(database_path) == ["call-1", "call-2", "call-3"]
+
+
+def test_the_writer_runs_the_code_its_gateway_was_imported_from() -> None:
+    """The writer's path starts with the directory that holds the `gateway` package, so it runs this very code
+    whatever the working directory and the installed version are (once, after the capture modules moved into
+    `gateway/capture/`, it named `gateway/` itself, where no `gateway` package is)."""
+    from gateway.capture import sink
+
+    root = Path(sink._PACKAGE_ROOT)
+    assert (root / "gateway" / "capture" / "writer.py").is_file()
