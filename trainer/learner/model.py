@@ -16,12 +16,14 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.control.policy_config import TrainConfig
-from trainer.learner.grouping import Sample
+
+if TYPE_CHECKING:
+    from trainer.learner.grouping import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +196,10 @@ class LocalSampler:
     def _sample_many(
         self, contexts: list[tuple[list[dict[str, Any]], list[Any] | None]], n: int
     ) -> list[list[Sample]]:
+        # Imported here: grouping brings polars and the storage layer, which building version 0
+        # (`trainer.learner.initial_adapter`) does without.
+        from trainer.learner.grouping import Sample
+
         if n <= 0 or not contexts:
             return [[] for _ in contexts]
         prompts = [self.prompt_ids(messages, tools) for messages, tools in contexts]
