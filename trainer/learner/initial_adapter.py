@@ -40,15 +40,29 @@ def write_initial_adapter(base_path: str, target: Path, train_config: TrainConfi
     if target.exists():
         log.info("version 0 is already at %s", target)
         return
-    import torch
-
-    from trainer.learner.model import load_policy, save_adapter
-
     try:
+        _check_model_name(base_path)
+        import torch
+
+        from trainer.learner.model import load_policy, save_adapter
+
         model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
     except (OSError, ValueError) as exc:  # transformers' answers for no such model, directory or hub id
         raise BaseModelNotLoaded(" ".join(str(exc).split())) from exc
     save_adapter(model, target)
+
+
+def _check_model_name(base_path: str) -> None:
+    """Raise the loader's own error (a ValueError) for a name that is no directory and cannot be a hub id, before
+    torch is imported: the refusal then takes a second instead of the imports' tens of seconds."""
+    from huggingface_hub.utils import validate_repo_id  # type: ignore[attr-defined]  # exported lazily
+
+    try:
+        directory = Path(base_path).is_dir()
+    except OSError:  # too long for the file system
+        directory = False
+    if not directory:
+        validate_repo_id(base_path)
 
 
 def main() -> int:
