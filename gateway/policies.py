@@ -1,8 +1,8 @@
 """Creating policies: a database row plus version 0, an initialised LoRA with zero effect, so the loop can start.
 
 Used by `kaizen policy create` and `POST /admin/policies`. The configuration is validated whole before anything
-is written. Building version 0 loads the base model with torch, so it runs in a worker thread when called from
-the server.
+is written. Building version 0 loads the base model with torch: a child process does it
+(`trainer.learner.initial_adapter`), so the serving process never holds torch or the base model's weights.
 """
 
 from __future__ import annotations
@@ -25,38 +25,41 @@ from storage.policies import (
     create_policy,
     get_policy,
 )
+from trainer.control.model_jobs import (
+    BASE_MODEL_UNAVAILABLE,
+    InitialAdapterJob,
+    clip,
+    module_command,
+    run_model_job,
+)
 from trainer.control.policy_config import TrainConfig, load_policy_config
 
 log = logging.getLogger(__name__)
+
+#: The child that builds version 0. Tests point it at a script of their own.
+INITIAL_ADAPTER_COMMAND: tuple[str, ...] = module_command("trainer.learner.initial_adapter")
 
 
 class BaseModelUnavailable(ValueError):
     """The base model named for a new policy could not be loaded: a client's mistake, answered with a 400."""
 
 
-def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfig) -> None:
-    """Save a fresh LoRA for the base model. PEFT initialises B to zero, so it changes nothing yet.
+async def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfig) -> None:
+    """Save a fresh LoRA for the base model at `target`, in a child process (`trainer.learner.initial_adapter`):
+    the base model and torch are loaded there, never in the serving process, whose event loop goes on serving.
 
-    torch and the trainer's model code are imported here: the gateway itself installs and starts without them.
-    """
-    import torch
-
-    from trainer.learner.model import load_policy, save_adapter
-
-    if target.exists():
-        return  # an earlier, interrupted create got this far: the directory is complete (it is renamed in)
-    try:
-        model, _ = load_policy(base_path, None, train_config, torch.device("cpu"))
-    except (OSError, ValueError) as exc:  # transformers' answers for no such model, directory or hub id
-        raise BaseModelUnavailable(
-            f"base model {_clip(base_path)!r} could not be loaded: {_clip(str(exc))}"
-        ) from exc
-    save_adapter(model, target)
-
-
-def _clip(text: str, limit: int = 300) -> str:
-    """At most `limit` characters of `text`: a 70 kB name is echoed back by the loader, and by the 400."""
-    return text if len(text) <= limit else text[:limit] + "..."
+    A `target` that exists is kept: an earlier, interrupted create got that far (the directory is renamed in
+    once complete). Raises `BaseModelUnavailable` when the loader refuses the base model; nothing is written
+    then."""
+    job = InitialAdapterJob(
+        base_model=base_path,
+        target=str(target),
+        train=train_config.model_dump(mode="json"),
+        log_level=logging.getLogger().getEffectiveLevel(),
+    )
+    outcome = await run_model_job(INITIAL_ADAPTER_COMMAND, job, f"building version 0 at {target}")
+    if outcome.status == BASE_MODEL_UNAVAILABLE:
+        raise BaseModelUnavailable(f"base model {clip(base_path)!r} could not be loaded: {outcome.reason}")
 
 
 async def create_policy_with_initial_adapter(
@@ -94,7 +97,7 @@ async def create_policy_with_initial_adapter(
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
     target = adapter_dir(data_dir, name, 0)
     log.info("building version 0 of %s at %s", name, target)
-    await asyncio.to_thread(build_initial_adapter, base_path, target, validated.train)
+    await build_initial_adapter(base_path, target, validated.train)
     async with database.session() as session:
         policy = await create_policy(session, name, base_model, config)
         await add_adapter(session, policy.id, 0, str(target.resolve()), status="active")

@@ -4,7 +4,7 @@ vLLM is started exactly as the gateway starts it (``build_vllm_engine`` from the
 and every request goes through the engine's own client, so the numbers are what the gateway sees. Generation
 is greedy with ``ignore_eos`` and a fixed ``max_tokens``, so every request produces the same number of tokens
 whatever the model says; base and LoRA rounds alternate so drift (other load on the machine) hits both alike.
-The LoRA is the gateway's own version-0 adapter (``build_initial_adapter``) with random non-zero ``lora_B``,
+The LoRA is the gateway's own version-0 adapter (``write_initial_adapter``) with random non-zero ``lora_B``,
 so vLLM really applies it. Hot reload under load (``--hot-streams``): that many streams keep generating through
 the LoRA while new adapter versions are loaded one every ``--hot-interval-s``, the way a promotion loads the
 candidate while traffic is served; it reports each load, the first request on each new version, and the
@@ -34,10 +34,10 @@ from typing import Any
 from gateway.app import build_vllm_engine
 from gateway.base_models import resolve_base_model
 from gateway.engines.vllm import VLLMEngine
-from gateway.policies import build_initial_adapter
 from gateway.settings import Settings
 from tests.support.ports import free_port
 from trainer.control.policy_config import TrainConfig
+from trainer.learner.initial_adapter import write_initial_adapter
 
 logger = logging.getLogger("bench_engine")
 
@@ -68,7 +68,7 @@ def make_adapters(base_path: str, root: Path, count: int, rank: int) -> list[Pat
     """One adapter built the gateway's way, then copied: each load below reads its own directory."""
     first = root / "0"
     started = time.perf_counter()
-    build_initial_adapter(base_path, first, TrainConfig(lora_rank=rank, lora_alpha=2 * rank))
+    write_initial_adapter(base_path, first, TrainConfig(lora_rank=rank, lora_alpha=2 * rank))
     randomise_lora_b(first, seed=0, std=0.02)
     logger.info("built a rank-%d adapter in %.1f s", rank, time.perf_counter() - started)
     copies = [first]

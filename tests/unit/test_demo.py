@@ -246,9 +246,20 @@ def test_the_locker_task_needs_the_tool_and_the_right_field() -> None:
     assert right_call(json.dumps({"number": locker.number}), locker)
     assert not right_call(json.dumps({"number": locker.number + 1}), locker)
     assert not right_call("not json", locker) and not right_call("{}", locker)
-    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "open_locker"}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "c", "function": {"name": "open_locker"}}],
+    }
     user = {"role": "user", "content": locker.prompt}
-    answered = {"messages": [user, call, {"role": "tool", "content": "..."}, {"role": "assistant", "content": locker.word}]}
+    answered = {
+        "messages": [
+            user,
+            call,
+            {"role": "tool", "content": "..."},
+            {"role": "assistant", "content": locker.word},
+        ]
+    }
     assert score(answered) == 1.0
     assert score({"messages": [user, call]}) == 0.0  # still calling tools when the episode ended
     with pytest.raises(ValueError, match="not a demo locker question"):

@@ -113,7 +113,9 @@ def tools_task(tools: Sequence[Mapping[str, Any]], task: str | None = None) -> s
     for tool in tools:
         function = tool.get("function") or {}
         schema = json.dumps(function.get("parameters") or {}, sort_keys=True)
-        lines.append(f"- {function.get('name')}: {function.get('description') or '(no description)'} {schema}")
+        lines.append(
+            f"- {function.get('name')}: {function.get('description') or '(no description)'} {schema}"
+        )
     described = (
         "An agent that answers users by calling these tools (name: description, JSON schema of its arguments):\n"
         + "\n".join(lines)
