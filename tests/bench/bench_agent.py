@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.bench.bench_learning import ROOT, headline, tree_env, unpack, write_chart
+from tests.bench.bench_learning import ROOT, demo_policy, headline, tree_env, unpack, write_chart
 
 logger = logging.getLogger("bench_agent")
 
@@ -55,27 +55,10 @@ BEFORE_CODE = "379d2af5265401295198da74891870748bb0b9da"
 def before_policy(tree: Path, base_model: str) -> dict[str, Any]:
     """The demo policy configuration of the code in `tree`, scoring with the agent task's reward function, with
     this tree's reply length."""
-    script = (
-        "import json, pathlib, sys\n"
-        "import gateway, trainer\n"
-        "from gateway.demo.runner import DemoOptions, policy_config\n"
-        "options = DemoOptions(None, pathlib.Path('d'), pathlib.Path('m'), sys.argv[1])\n"
-        "print(json.dumps([gateway.__file__, trainer.__file__, policy_config(options)]))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script, base_model],
-        env=tree_env(tree),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    *modules, config = json.loads(out.stdout)
-    if not all(Path(module).is_relative_to(tree) for module in modules):
-        raise RuntimeError(f"the `before` side would import {modules}, not the code under {tree}")
-    config.setdefault("rewards", {}).setdefault("scorer", {})["function"] = SCORER
+    config = demo_policy(tree, base_model, SCORER)
     config["train"].update(max_new_tokens=REPLY_TOKENS, collapse_max_new_tokens=REPLY_TOKENS)
     config["gate"]["max_tokens"] = REPLY_TOKENS
-    return dict(config)
+    return config
 
 
 async def base_rates(samples: int, base_model: str, work: Path) -> dict[str, Any]:

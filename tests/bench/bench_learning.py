@@ -67,8 +67,8 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
 
 
-def demo_policy(tree: Path, base_model: str) -> dict[str, Any]:
-    """The demo policy configuration of the code in `tree`, scoring with the task module's reward function."""
+def demo_policy(tree: Path, base_model: str, scorer: str = SCORER) -> dict[str, Any]:
+    """The demo policy configuration of the code in `tree`, scoring with the reward function `scorer`."""
     script = (
         "import json, pathlib, sys\n"
         "import gateway, trainer\n"
@@ -87,7 +87,7 @@ def demo_policy(tree: Path, base_model: str) -> dict[str, Any]:
     config: dict[str, Any] = found
     if not all(Path(module).is_relative_to(tree) for module in modules):
         raise RuntimeError(f"the `before` side would import {modules}, not the code under {tree}")
-    config.setdefault("rewards", {}).setdefault("scorer", {})["function"] = SCORER
+    config.setdefault("rewards", {}).setdefault("scorer", {})["function"] = scorer
     return config
 
 
