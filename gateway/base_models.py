@@ -79,19 +79,40 @@ def resolve_base_model(name_or_path: str, models_dir: Path) -> str:
     """
     if name_or_path in EMBEDDED_MODELS:
         return str(pull_base_model(name_or_path, models_dir))
-    local = _local_directory(name_or_path)
+    local = local_directory(name_or_path)
     return str(local.resolve()) if local is not None else name_or_path
+
+
+def hub_model_problem(name: str) -> str | None:
+    """Why a hub id cannot be loaded, found without torch: not a valid id, or neither in the local cache nor on a
+    reachable hub (offline, or unknown there); None when a loader would find it. A creation that would fail
+    anyway is refused in a moment instead of after a child process imported the training stack."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return None
+    except HFValidationError as exc:
+        return " ".join(str(exc).split())
+    if constants.HF_HUB_OFFLINE:
+        return "it is neither a local directory nor in the local model cache, and the hub is offline"
+    try:
+        HfApi().model_info(name, timeout=10)
+    except Exception as exc:  # unknown there, gated, or no hub to ask (no network)
+        return f"it is neither a local directory nor in the local model cache, and the hub said: {exc}"
+    return None
 
 
 def served_model_name(name_or_path: str) -> str:
     """The name clients use for the base model: embedded names and HF ids as they are, a directory's name."""
     if name_or_path in EMBEDDED_MODELS:
         return name_or_path
-    local = _local_directory(name_or_path)
+    local = local_directory(name_or_path)
     return local.name if local is not None else name_or_path
 
 
-def _local_directory(name_or_path: str) -> Path | None:
+def local_directory(name_or_path: str) -> Path | None:
     """The directory `name_or_path` names, or None. A name that cannot be a path (too long for the file system,
     an unknown user's `~`, a NUL) names no directory: it is left to the loader, which refuses it as a model id."""
     try:

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gateway.base_models import resolve_base_model
+from gateway.base_models import hub_model_problem, local_directory, resolve_base_model
 from storage.audit import record_audit
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
@@ -95,6 +95,10 @@ async def create_policy_with_initial_adapter(
             "and not be '.' or '..'"
         )
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
+    if local_directory(base_path) is None:
+        problem = await asyncio.to_thread(hub_model_problem, base_path)
+        if problem is not None:
+            raise BaseModelUnavailable(f"base model {clip(base_path)!r} could not be loaded: {clip(problem)}")
     target = adapter_dir(data_dir, name, 0)
     log.info("building version 0 of %s at %s", name, target)
     await build_initial_adapter(base_path, target, validated.train)

@@ -78,7 +78,7 @@ _MODEL_JOB = textwrap.dedent(
     from gateway.app import build_services, create_app
     from gateway.base_models import is_complete, resolve_base_model
     from gateway.settings import Settings
-    from storage.schema import upgrade_database
+    from migrations.runner import upgrade_database
 
     step, path = sys.argv[1], sys.argv[2]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,7 +154,14 @@ def test_the_cli_refuses_a_bad_policy_configuration_file(
 
 
 @pytest.mark.parametrize(
-    "kind", ["not a repo id", "a directory with no model", "too long for a path", "an unknown user's home"]
+    "kind",
+    [
+        "not a repo id",
+        "a directory with no model",
+        "too long for a path",
+        "an unknown user's home",
+        "a hub id this machine cannot fetch",
+    ],
 )
 def test_a_base_model_that_cannot_be_loaded_is_a_400_and_nothing_is_written(
     make_gateway: MakeGateway, database_url: str, tmp_path: Path, kind: str
@@ -165,6 +173,7 @@ def test_a_base_model_that_cannot_be_loaded_is_a_400_and_nothing_is_written(
         "a directory with no model": str(empty),
         "too long for a path": "m" * 5000,
         "an unknown user's home": "~no-such-user-here/model",
+        "a hub id this machine cannot fetch": "NaN",
     }[kind]
     gw = make_gateway(database_url, admin_key="adm")
     # The first policy built in a process imports torch, transformers and PEFT (the gateway runs in this one): when
@@ -251,3 +260,20 @@ def test_an_interrupted_create_is_finished_by_running_it_again(tmp_path: Path) -
     assert main(["policy", "create", "bot", "--exist-ok", *flags]) == 0
     assert main(["policy", "create", "bot", *flags]) == 2  # it exists
     assert active(url) == [(0, "active")]
+
+
+def test_a_hub_id_nobody_can_fetch_is_refused_at_once(make_gateway: MakeGateway, tmp_path: Path) -> None:
+    """A name that could be a hub id, neither cached nor on a reachable hub, is refused by the gateway itself:
+    no child process imports the training stack to find out (the fuzzing found that taking 30 s and more)."""
+    gw = make_gateway(f"sqlite:///{tmp_path / 'hub.db'}", admin_key="adm")
+    started = time.monotonic()
+    refused = httpx.post(
+        gw.url + "/admin/policies",
+        json={"name": "bot", "base_model": "no-such-org/no-such-model"},
+        headers={"authorization": "Bearer adm"},
+        timeout=60,
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "base_model_unavailable"
+    assert "neither a local directory nor in the local model cache" in refused.json()["error"]["message"]
+    assert time.monotonic() - started < 10
