@@ -418,7 +418,7 @@ def bootstrap_command(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
-    quiet_per_request_loggers("httpx", "openai", "LiteLLM")
+    quiet_per_request_loggers("httpx", "httpx2", "openai", "LiteLLM")
     options = options_from_arguments(args, settings)
     judge = settings.judge()
     writer = replace(

@@ -54,7 +54,7 @@ def demo_command(args: argparse.Namespace) -> int:
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
-    quiet_per_request_loggers("httpx", "openai")
+    quiet_per_request_loggers("httpx", "httpx2", "openai")
     out: Path | None = args.out
     data_dir = out / "data" if out is not None else Path(tempfile.mkdtemp(prefix="kaizen-demo-"))
     options = DemoOptions(

@@ -58,6 +58,10 @@ class DemoOptions:
         return max(self.max_tokens, task.max_tokens) if isinstance(task, AgentTask) else self.max_tokens
 
 
+#: New rewarded episodes that start a training run.
+TRAIN_AFTER_EPISODES = 16
+
+
 def policy_config(options: DemoOptions) -> dict[str, Any]:
     """The demo policy: production-style `resample` groups over every episode rewarded since the last run,
     trained as soon as a handful arrive, scored by the task's reward function where nobody gave feedback, and
@@ -69,6 +73,11 @@ def policy_config(options: DemoOptions) -> dict[str, Any]:
         config["rewards"]["scorer"]["function"] = "gateway.demo.agent_tasks:score"
         config["tools"] = {"functions": [task.tool_path]}
         config["train"]["max_turns"] = task.max_turns
+        # An episode costs the engine two or three calls, each reading the tool's schema, and resampling shares
+        # the engine with live traffic: one round (each new task topped up to `group_size`) and a gate of 8
+        # contexts x 4 episodes keep a run to minutes on a small machine. Measured in docs/performance.md.
+        config["train"]["resample_budget"] = (config["train"]["group_size"] - 1) * TRAIN_AFTER_EPISODES
+        config["gate"]["samples"] = 4
     return config
 
 
@@ -92,7 +101,7 @@ def _policy_config(options: DemoOptions) -> dict[str, Any]:
         "schedule": {
             "judge_interval_s": None,
             "train_cron": None,
-            "train_min_new_episodes": 16,
+            "train_min_new_episodes": TRAIN_AFTER_EPISODES,
             "threshold_check_s": 2,
             "retention": {"cron": None},
         },

@@ -276,3 +276,8 @@ def test_an_agent_demos_policy_runs_its_tool_and_scores_whole_episodes() -> None
     assert config.rewards.scorer.function == "gateway.demo.agent_tasks:score"
     assert config.train.grouping == "resample" and config.train.max_turns == 3
     assert config.train.max_new_tokens == options.reply_tokens == 48  # room for a tool call
+    # One resampling round tops up each task of a run to a group; the gate re-runs 8 x 4 episodes per version.
+    assert (
+        config.train.resample_budget == (config.train.group_size - 1) * config.schedule.train_min_new_episodes
+    )
+    assert config.gate.samples == 4

@@ -83,6 +83,9 @@ def main() -> int:
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
     logging.basicConfig(level=job.log_level.upper(), format=_FORMAT, stream=sys.stderr)
+    # Resampling and the gate send thousands of requests: a line for each would bury the run's progress.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     with SigtermAsCtrlC() as interrupt:
         try:
             return _train(job)
