@@ -21,6 +21,7 @@ down). The results file says what ran: the base rates, settings, the machine's l
 every cycle (with its agent shares) and every training run.
 
     python -m tests.bench.bench_agent [--minutes 30] [--sides before,after] [--out tests/bench/results/agent.json]
+        [--add]
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kaizen-bench-agent-"))
     (work / "base-rate").mkdir()
     logger.info("work directory (logs, databases): %s", work)
+    earlier = json.loads(args.out.read_text()) if args.add and args.out.exists() else {}
     result: dict[str, Any] = {
         "task": {"name": TASK, "questions": len(LOCKER_TASK.questions()), "tool": LOCKER_TASK.tool},
         "minutes": args.minutes,
@@ -176,7 +178,17 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "sides": {},
     }
-    if args.base_samples:
+    if earlier:
+        # Sides measured by an earlier run stay, each with its own commit and start time.
+        logger.info("adding to %s, which holds %s", args.out, ", ".join(earlier["sides"]) or "no side")
+        result["sides"] = earlier["sides"]
+        result["earlier_runs"] = [
+            *earlier.get("earlier_runs", []),
+            {k: earlier[k] for k in ("command", "machine", "started_at") if k in earlier},
+        ]
+        if "base_rate" in earlier:
+            result["base_rate"] = earlier["base_rate"]
+    if args.base_samples and "base_rate" not in result:
         logger.info("measuring the base rates (%d episodes per question)", args.base_samples)
         result["base_rate"] = await base_rates(args.base_samples, Settings().base_model, work / "base-rate")
         logger.info("base rates: %s", {k: v for k, v in result["base_rate"].items() if k != "examples"})
@@ -216,9 +228,14 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "tests/bench/results/agent.json")
+    parser.add_argument(
+        "--add",
+        action="store_true",
+        help="Keep the sides and base rates already in --out (run the sides one at a time).",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for chatty in ("httpx", "openai"):
+    for chatty in ("httpx", "httpx2", "openai"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
     asyncio.run(benchmark(args))
 

@@ -125,6 +125,7 @@ def test_the_documented_langgraph_agent_is_captured_judged_trained_and_promoted(
     assert run.kind == "train" and run.status == "succeeded", run.error
     assert run.promoted and run.to_version == 0
     assert run.metrics["groups"] == len(QUESTIONS) and run.metrics["samples"] == 4 * len(QUESTIONS)
-    assert run.metrics["data"]["retokenised"] == 4 * len(QUESTIONS)  # capture-only traffic has no token ids
+    # Every turn of every episode is trained (three calls each), and capture-only traffic has no token ids.
+    assert run.metrics["data"]["retokenised"] == 3 * 4 * len(QUESTIONS)
     assert asyncio.run(model.version()) == 0
     assert Path(query(url, "SELECT path FROM adapters")[0]["path"], "adapter_config.json").is_file()

@@ -129,5 +129,6 @@ def _follow() -> int:
             finally:
                 stop()
         except KeyboardInterrupt:
+            log.error("training stopped by %s", interrupt.signal.name)
             return interrupt.exit_status
     return 0
