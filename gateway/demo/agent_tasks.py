@@ -6,7 +6,7 @@ found. The result first names the word the locker held before, another of the ta
 repeats the whole result names two candidates and scores 0 (the demo's no-hedging rule), and one that takes the
 first word it reads is wrong, so the agent must read the right field. The app forces the first turn to call a tool (`tool_choice: required`), as apps that always
 look something up do; the embedded model then calls it, but with the right number and answering with the right
-word only now and then (base rates in docs/training.md).
+word only now and then (base rates in docs/training.md, the demo section).
 
 `open_locker` is also the policy's tool (`tools.functions`), so the trainer can roll an episode out again with it,
 and `score` is the policy's reward function for trajectories nobody gave feedback for. This module imports
