@@ -240,7 +240,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         on_stored=metrics.calls.feedback_items if metrics is not None else None,
     )
     jobs = Jobs(settings, database, schedule=settings.scheduler, engine_url=engine_url(engine))
-    mcp = McpEndpoint(database, PolicyTools(database, settings.policy_refresh_s), router.redactor)
+    mcp = McpEndpoint(database, PolicyTools(database, settings.policy_refresh_s), router.current_redactor)
     return Services(
         settings,
         database,

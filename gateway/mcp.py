@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from litestar.types import Receive, Scope, Send
 from gateway.auth import Principal, authenticate_client, principal_in, set_principal
 from gateway.errors import NotFound, PermissionDenied
 from gateway.redaction import Redactor
+from gateway.routing import PoliciesUnavailable
 from storage.database import Database
 from storage.policies import get_policy
 from storage.tool_calls import record_tool_call
@@ -138,7 +139,7 @@ class McpEndpoint:
         self,
         database: Database,
         tools: PolicyTools,
-        redactor: Callable[[str], Redactor | None],
+        redactor: Callable[[str], Awaitable[Redactor | None]],
         on_call: Callable[[str, str, bool], None] | None = None,
     ) -> None:
         self.database = database
@@ -239,7 +240,15 @@ class McpEndpoint:
         """Store the call with its episode; a database that is down loses the record, never the answer."""
         if self.on_call is not None:
             self.on_call(policy, tool, is_error)
-        redactor = self.redactor(policy)
+        try:
+            redactor = await self.redactor(policy)
+        except PoliciesUnavailable:
+            log.warning(
+                "tool call %s of %s not recorded: the policy's privacy section could not be read",
+                tool,
+                policy,
+            )
+            return
         if redactor is not None:
             arguments, result = redactor.value(arguments), redactor.text(result)
         if episode_id is not None and (len(episode_id) > _EPISODE_ID_LENGTH or "\x00" in episode_id):

@@ -95,11 +95,13 @@ async def create_policy_with_initial_adapter(
             "and not be '.' or '..'"
         )
     base_path = await asyncio.to_thread(resolve_base_model, base_model, data_dir / "models")
-    if local_directory(base_path) is None:
+    target = adapter_dir(data_dir, name, 0)
+    # A version 0 an interrupted create left complete is kept without loading the base model, so only a build
+    # to come needs a base model it can load.
+    if not target.exists() and local_directory(base_path) is None:
         problem = await asyncio.to_thread(hub_model_problem, base_path)
         if problem is not None:
             raise BaseModelUnavailable(f"base model {clip(base_path)!r} could not be loaded: {clip(problem)}")
-    target = adapter_dir(data_dir, name, 0)
     log.info("building version 0 of %s at %s", name, target)
     await build_initial_adapter(base_path, target, validated.train)
     async with database.session() as session:

@@ -85,6 +85,8 @@ class ModelRouter:
         self.redaction_key = redaction_key
         # policy -> (its stored `privacy` section, the redactor built from it); absent: mode `off`
         self.redactors: dict[str, tuple[Any, Redactor]] = {}
+        # every policy the last read saw, redacting or not
+        self.known_policies: set[str] = set()
         self.policy_refresh_s = policy_refresh_s
         self.idle_unload_s = idle_unload_s
         self.engine_models: set[str] = set()
@@ -141,6 +143,15 @@ class ModelRouter:
         entry = self.redactors.get(policy) if policy is not None else None
         return entry[1] if entry is not None else None
 
+    async def current_redactor(self, policy: str) -> Redactor | None:
+        """As `redactor`, reading the policies first when `policy` is newer than the last read: a tool call made
+        through `/mcp/<policy>` right after the policy was created must not be stored verbatim."""
+        if policy not in self.known_policies:
+            await self.refresh_policies()
+            if policy not in self.known_policies:  # the read failed: whether to redact is unknown
+                raise PoliciesUnavailable()
+        return self.redactor(policy)
+
     @staticmethod
     def _adapter_route(policy: str, version: int, state: PolicyState) -> Route:
         return Route(adapter_name(policy, version), policy, version, state.versions[version])
@@ -191,6 +202,7 @@ class ModelRouter:
             log.warning("could not read policies: %s", exc)
             return
         self._refresh_redactors(privacy)
+        self.known_policies = set(privacy)
         self.policies_loaded = True
         if self.database is None:
             return
