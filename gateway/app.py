@@ -47,7 +47,7 @@ from gateway.exposure import cors_config, json_bodies_only, loopback_hosts_only
 from gateway.feedback import FeedbackService
 from gateway.mcp import PATH as MCP_PATH
 from gateway.mcp import McpEndpoint, PolicyTools, requires_policy_tools
-from gateway.metrics import GatewayMetrics, count_responses
+from gateway.metrics import GatewayMetrics, MetricsPeers, count_responses
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -90,9 +90,10 @@ def build_engine(settings: Settings) -> Engine:
     return build_vllm_engine(settings)
 
 
-def build_vllm_engine(settings: Settings) -> Engine:
+def build_vllm_engine(settings: Settings, *, adopt_adapters: bool = False) -> Engine:
     """The vLLM engine: attached by URL, or supervised servers for the (pulled if embedded) base model; several
-    URLs or `vllm_replicas` > 1 make a pool that balances calls over them."""
+    URLs or `vllm_replicas` > 1 make a pool that balances calls over them. `adopt_adapters`: started servers are
+    shared with attached serving workers, whose adapters a restart must re-load."""
     from gateway.base_models import EMBEDDED_MODELS, resolve_base_model, served_model_name
     from gateway.engines.pool import EnginePool
     from gateway.engines.vllm import VLLMEngine, VLLMLaunch, find_vllm_python, free_loopback_port
@@ -144,6 +145,7 @@ def build_vllm_engine(settings: Settings) -> Engine:
                 base_url=f"http://127.0.0.1:{port}/v1",
                 launch=launch,
                 log_path=settings.data_dir / "logs" / log_name,
+                adopt_adapters=adopt_adapters,
                 **common,  # type: ignore[arg-type]
             )
         )
@@ -171,7 +173,10 @@ def engine_url(engine: Engine) -> str | None:
     return engine.base_url if isinstance(engine, VLLMEngine) else None
 
 
-def build_services(settings: Settings, engine: Engine | None = None) -> Services:
+def build_services(
+    settings: Settings, engine: Engine | None = None, peers: MetricsPeers | None = None
+) -> Services:
+    """Everything one gateway process serves with; `peers` when it is one of several serving workers."""
     database = Database(settings.database_url)
     engine = engine or build_engine(settings)
     router = ModelRouter(
@@ -194,7 +199,7 @@ def build_services(settings: Settings, engine: Engine | None = None) -> Services
         stitch_grace_ms=settings.stitch_grace_ms,
     )
     metrics = (
-        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink)
+        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink, peers=peers)
         if settings.metrics
         else None
     )
@@ -384,6 +389,8 @@ def create_app(services: Services) -> Litestar:
         await services.chat.warm(services.database)
         await services.feedback.start()
         await services.jobs.start()
+        if services.metrics is not None:
+            await services.metrics.start()
         # Everything alive now lives as long as the process: moving it out of the collector's reach keeps
         # full collections short (measured: 45-120 ms stalls of every in-flight call without this).
         gc.collect()
@@ -391,6 +398,8 @@ def create_app(services: Services) -> Litestar:
         try:
             yield
         finally:
+            if services.metrics is not None:
+                await services.metrics.stop()
             await services.mcp.stop()
             await services.jobs.stop()
             await services.feedback.stop()

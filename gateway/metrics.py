@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +43,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_exposition
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from gateway.capture.sink import CaptureSink
@@ -353,6 +356,76 @@ class _ScrapeCollector(Collector):
         yield from (runs, durations, last)
 
 
+#: Families every worker reads from the same place (the database, the shared engine): reported once, from the
+#: worker that answers the scrape, without a `worker` label.
+SHARED_FAMILIES = frozenset(
+    {
+        "kaizen_engine_up",
+        "kaizen_policy_active_version",
+        "kaizen_rewards_stored",
+        "kaizen_judge_groups",
+        "kaizen_judge_calls",
+        "kaizen_judge_cost_usd",
+        "kaizen_runs",
+        "kaizen_run_duration_seconds",
+        "kaizen_run_last_finished_timestamp_seconds",
+        "kaizen_metrics_database_ok",
+    }
+)
+#: How long a scrape waits for a sibling worker's exposition (one that is restarting is left out).
+PEER_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class MetricsPeers:
+    """The serving workers of one `kaizen serve` (`gateway.workers`): this one's index and every worker's Unix
+    socket, on which each answers its own exposition to the others."""
+
+    index: int
+    sockets: tuple[Path, ...]
+
+
+class _Families:
+    """A fixed list of families, in the shape the exposition encoders read (`collect`)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _labelled(family: Metric, worker: int) -> Metric:
+    copy = Metric(family.name, family.documentation, family.type, family.unit)
+    copy.samples = [s._replace(labels={**s.labels, "worker": str(worker)}) for s in family.samples]
+    return copy
+
+
+def merge_workers(own: Iterable[Metric], index: int, peers: dict[int, str]) -> list[Metric]:
+    """One exposition for all workers: the shared families as this worker read them, every other family's
+    samples from each worker with a `worker` label (sum over it for the gateway's totals). `peers` holds the
+    other workers' OpenMetrics text by index."""
+    merged: dict[str, Metric] = {}
+
+    def add(family: Metric, worker: int) -> None:
+        if family.name in SHARED_FAMILIES:
+            if worker == index:
+                merged[family.name] = family
+            return
+        labelled = _labelled(family, worker)
+        if family.name in merged:
+            merged[family.name].samples.extend(labelled.samples)
+        else:
+            merged[family.name] = labelled
+
+    for family in own:
+        add(family, index)
+    for worker, text in sorted(peers.items()):
+        for family in text_string_to_metric_families(text):  # type: ignore[no-untyped-call]
+            add(family, worker)
+    return list(merged.values())
+
+
 class GatewayMetrics:
     """The registry of one gateway process and what `/metrics` reads when it is scraped."""
 
@@ -364,7 +437,10 @@ class GatewayMetrics:
         engine: Engine,
         router: ModelRouter,
         sink: CaptureSink,
+        peers: MetricsPeers | None = None,
     ) -> None:
+        self.peers = peers
+        self._peer_server: asyncio.Server | None = None
         self.database = database
         self.engine = engine
         self.router = router
@@ -413,7 +489,48 @@ class GatewayMetrics:
                 self.store_ok = False
             self._store_read_at = time.monotonic()
 
-    def render(self, accept: str) -> tuple[bytes, str]:
-        """The exposition for the scraper's Accept header (Prometheus text, or OpenMetrics) and its type."""
+    async def start(self) -> None:
+        """As one of several workers: answer the others' requests for this worker's exposition."""
+        if self.peers is not None:
+            path = self.peers.sockets[self.peers.index]
+            path.unlink(missing_ok=True)  # left by the worker this one replaces
+            self._peer_server = await asyncio.start_unix_server(self._answer_peer, path=str(path))
+
+    async def stop(self) -> None:
+        if self._peer_server is not None:
+            self._peer_server.close()
+            await self._peer_server.wait_closed()
+
+    async def _answer_peer(self, _: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(openmetrics_exposition(self.registry))  # type: ignore[no-untyped-call]
+            await writer.drain()
+        finally:
+            writer.close()
+
+    async def _read_peer(self, path: Path) -> str:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        try:
+            return (await reader.read()).decode()
+        finally:
+            writer.close()
+
+    async def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition for the scraper's Accept header (Prometheus text, or OpenMetrics) and its type; as one
+        of several workers, every worker's (a worker that does not answer in time is left out, logged)."""
         encoder, content_type = choose_encoder(accept)
-        return encoder(self.registry), content_type
+        if self.peers is None:
+            return encoder(self.registry), content_type
+        others = [(i, p) for i, p in enumerate(self.peers.sockets) if i != self.peers.index]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(self._read_peer(path), PEER_TIMEOUT_S) for _, path in others),
+            return_exceptions=True,
+        )
+        texts: dict[int, str] = {}
+        for (index, _), answer in zip(others, answers, strict=True):
+            if isinstance(answer, BaseException):
+                log.warning("metrics: worker %d did not answer (%s); left out of this scrape", index, answer)
+            else:
+                texts[index] = answer
+        families = merge_workers(self.registry.collect(), self.peers.index, texts)
+        return encoder(_Families(families)), content_type  # type: ignore[arg-type]

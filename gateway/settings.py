@@ -6,6 +6,7 @@ Each field's description is its documentation: the CLI help and the docs/configu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -19,6 +20,9 @@ from pydantic_settings import (
 )
 
 from trainer.control.ruler import JudgeSettings
+
+#: Serving processes one `kaizen serve` may run (`workers`).
+MAX_WORKERS = 64
 
 _SYNC_TO_ASYNC_DRIVERS = {
     "sqlite": "sqlite+aiosqlite",
@@ -67,6 +71,13 @@ class Settings(BaseSettings):
     # --- serving
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8000, ge=0, le=65535, description="Port the HTTP server listens on.")
+    workers: int = Field(
+        0,
+        ge=0,
+        le=MAX_WORKERS,
+        description="Serving processes on the port, around one engine (docs/operations.md#serving-workers). "
+        "0: half the cores this process may use, at least 1 and at most 8.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Logging level.")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -487,6 +498,13 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{(self.data_dir / 'kaizen.db').resolve()}"
         self.database_url = async_database_url(self.database_url)
         return self
+
+    def serving_workers(self) -> int:
+        """How many serving processes `kaizen serve` runs: `workers`, or for 0 half the usable cores (the other
+        half is left to the capture writers, the database and the engine's own processes)."""
+        if self.workers:
+            return self.workers
+        return max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
 
     @property
     def vllm_urls(self) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +18,12 @@ from tests.support.ports import free_port
 from tests.support.postgres import PostgresServer, find_bin_dir
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every `kaizen serve` a test starts is one serving process unless the test asks for workers: the default
+    follows the machine's cores, and a test that kills "the gateway" means one process."""
+    os.environ.setdefault("KAIZEN_WORKERS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -56,6 +56,11 @@ def serve_command(args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("applying database migrations (%s)", settings.database_url.split("@")[-1])
     asyncio.run(upgrade_database(settings.database_url))
+    workers = settings.serving_workers()
+    if workers > 1:
+        from gateway.workers import serve_workers
+
+        return serve_workers(settings, workers)
     app = create_app(build_services(settings))
     log.info("serving on http://%s:%d/v1 (engine: %s)", settings.host, settings.port, settings.engine)
     uvicorn.run(

@@ -34,7 +34,7 @@ class MetricsController(Controller):
                 if principal is None or "admin" not in principal.scopes:
                     raise self.refused()
         await metrics.refresh()
-        body, content_type = metrics.render(request.headers.get("accept", ""))
+        body, content_type = await metrics.render(request.headers.get("accept", ""))
         return Response(body, media_type=content_type)
 
     @staticmethod

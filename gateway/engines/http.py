@@ -216,6 +216,17 @@ class OpenAIHTTPClient:
         items = payload.get("data", []) if isinstance(payload, dict) else []
         return [str(m["id"]) for m in items if isinstance(m, dict) and "id" in m]
 
+    async def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the server has loaded, by name, with the path each was loaded from (vLLM lists
+        them among its models: `parent` names the base model, `root` the adapter's path)."""
+        payload = await self.get_json("/models")
+        items = payload.get("data", []) if isinstance(payload, dict) else []
+        return {
+            str(m["id"]): str(m["root"])
+            for m in items
+            if isinstance(m, dict) and m.get("parent") and "id" in m and "root" in m
+        }
+
     async def ping(self, url: str, timeout_s: float = 2.0) -> bool:
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:

@@ -27,6 +27,8 @@ from gateway.errors import EngineUnavailable, InvalidRequest
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Seconds between two reads of the adapters a shared server holds (`adopt_adapters`).
+ADOPT_INTERVAL_S = 5.0
 
 
 def find_vllm_python(configured: str) -> str:
@@ -134,8 +136,12 @@ class VLLMEngine(Engine):
         connect_timeout_s: float = 5.0,
         max_connections: int = 1024,
         startup_timeout_s: float = 900.0,
+        adopt_adapters: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        #: Other gateways (serving workers) load adapters into this server: learn them from it, so that a restart
+        #: re-loads theirs too.
+        self.adopt_adapters = adopt_adapters
         self.served_name = served_name
         self.launch = launch
         self.log_path = log_path
@@ -238,6 +244,7 @@ class VLLMEngine(Engine):
     async def _watch(self) -> None:
         """Restart the server when it dies (or stops answering), then re-load the adapters it had."""
         failures = 0
+        adopted_at = -float("inf")
         while not self._stopping:
             await asyncio.sleep(1.0)
             dead = self._process is None or self._process.returncode is not None
@@ -245,6 +252,13 @@ class VLLMEngine(Engine):
                 failures = 0 if await self.client.ping(self.health_url, timeout_s=5) else failures + 1
                 dead = failures >= 5
             if not dead:
+                if (
+                    self.adopt_adapters
+                    and failures == 0
+                    and time.monotonic() - adopted_at >= ADOPT_INTERVAL_S
+                ):
+                    await self._adopt()
+                    adopted_at = time.monotonic()
                 continue
             self._ready.clear()
             self.restarts += 1
@@ -261,6 +275,17 @@ class VLLMEngine(Engine):
                 continue
             failures = 0
             self._ready.set()
+
+    async def _adopt(self) -> None:
+        try:
+            loaded = await self.client.lora_adapters()
+        except Exception as exc:  # a busy or restarting server: the last list stays
+            log.debug("could not list the adapters of %s: %s", self.base_url, exc)
+            return
+        async with self._adapter_lock:
+            if loaded != self.adapters:
+                log.info("the engine holds adapters %s", ", ".join(sorted(loaded)) or "(none)")
+            self.adapters = loaded
 
     def _require_ready(self) -> None:
         if not self._ready.is_set():

@@ -1,0 +1,253 @@
+"""`kaizen serve` with two serving workers on one port, as real processes: calls spread over both, `/metrics`
+covers both, a worker SIGKILLed under load is replaced and loses nothing, and nothing outlives the parent,
+whether it is stopped with SIGTERM or killed. With vLLM: one engine, started once, serves both workers, and a
+restart of that engine gives back the adapters the workers loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.commands.serve_process import GatewayProcess
+from tests.conftest import MODELS_DIR
+from tests.integration.test_capture_faults import FAULTS, job_text, one_call, stored_calls
+from tests.support.child_gateway import kill, start, terminate, upstream_gateway
+from tests.support.polling import poll
+from tests.support.scripted_upstream import ScriptedUpstream
+
+CALLS = 300
+CONCURRENCY = 16
+REPLAY_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, upstream: ScriptedUpstream, database_url: str) -> Iterator[GatewayProcess]:
+    child = upstream_gateway(tmp_path / "data", database_url, upstream.url, {"KAIZEN_WORKERS": "2"})
+    yield child
+    child.stop()
+
+
+def sdk(gateway: GatewayProcess) -> AsyncOpenAI:
+    """A client that opens a connection per call, so that calls land on whichever worker accepts first."""
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=60)
+    return AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, http_client=http)
+
+
+def workers(gateway: GatewayProcess) -> list[psutil.Process]:
+    assert gateway.process is not None
+    children = psutil.Process(gateway.process.pid).children()
+    return [c for c in children if "gateway.workers" in " ".join(c.cmdline())]
+
+
+def family_tree(gateway: GatewayProcess) -> list[psutil.Process]:
+    assert gateway.process is not None
+    return psutil.Process(gateway.process.pid).children(recursive=True)
+
+
+def requests_by_worker(gateway: GatewayProcess) -> Counter[str]:
+    """`kaizen_requests_total` from one scrape, summed per `worker` label."""
+    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kaizen_requests_total":
+                counts[sample.labels["worker"]] += int(sample.value)
+    return counts
+
+
+async def gone(processes: list[psutil.Process], timeout_s: float = 30) -> bool:
+    async def none_left() -> bool:
+        return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
+
+    return await poll(none_left, timeout_s)
+
+
+@dataclass
+class Load:
+    client: AsyncOpenAI
+    jobs: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    kill_now: asyncio.Event = field(default_factory=asyncio.Event)
+    answered: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+async def send(load: Load, kill_after: int) -> None:
+    while not load.jobs.empty():
+        job = load.jobs.get_nowait()
+        try:
+            load.answered[job] = await one_call(load.client, job_text(job), stream=job % 2 == 1)
+        except FAULTS as exc:
+            load.failed[job] = repr(exc)
+        if len(load.answered) >= kill_after:
+            load.kill_now.set()
+
+
+def test_two_workers_share_the_port_and_a_killed_worker_loses_nothing(
+    gateway: GatewayProcess, database_url: str
+) -> None:
+    async def scenario() -> tuple[Load, list[psutil.Process], Counter[str]]:
+        await start(gateway)
+        first = workers(gateway)
+        assert len(first) == 2
+        load = Load(sdk(gateway))
+        for job in range(CALLS):
+            load.jobs.put_nowait(job)
+        senders = [asyncio.create_task(send(load, CALLS // 2)) for _ in range(CONCURRENCY)]
+        await load.kill_now.wait()
+        before_kill = await asyncio.to_thread(requests_by_worker, gateway)
+        victim = first[0]
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.gather(*senders)
+
+        async def replaced() -> bool:
+            now = workers(gateway)
+            return len(now) == 2 and victim.pid not in {p.pid for p in now}
+
+        assert await poll(replaced, 30), "the killed worker was not replaced"
+        answered_ids = set(load.answered.values())
+
+        async def all_stored() -> bool:
+            return answered_ids <= {row["id"] for row in await stored_calls(database_url)}
+
+        assert await poll(all_stored, REPLAY_TIMEOUT_S), "answered calls were not stored"
+        tree = family_tree(gateway)
+        assert await terminate(gateway) == 0
+        assert await gone(tree), [p.cmdline() for p in tree if p.is_running()]
+        return load, tree, before_kill
+
+    load, _, before_kill = asyncio.run(scenario())
+
+    # Both workers served, and one scrape reported both (each counts its own calls, labelled).
+    assert set(before_kill) == {"0", "1"} and min(before_kill.values()) > 0, before_kill
+    assert sum(before_kill.values()) >= CALLS // 2
+    assert len(load.answered) + len(load.failed) == CALLS
+    assert len(load.failed) <= CONCURRENCY, load.failed  # only calls in flight on the killed worker
+    rows = asyncio.run(stored_calls(database_url))
+    by_id = {row["id"]: row for row in rows}
+    for job, request_id in load.answered.items():
+        assert (by_id[request_id]["text"], by_id[request_id]["status"]) == (job_text(job), "ok")
+    repeated = {text: n for text, n in Counter(row["text"] for row in rows).items() if n > 1}
+    assert not repeated, f"calls stored more than once: {repeated}"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_workers_stop_with_a_killed_parent_and_store_what_they_answered(
+    gateway: GatewayProcess, database_url: str
+) -> None:
+    """A SIGKILLed parent cannot stop its workers itself: the kernel tells them (SIGTERM), and each finishes
+    and stores what it answered. A single gateway on the same data then finds everything stored."""
+
+    async def scenario() -> set[str]:
+        await start(gateway)
+        load = Load(sdk(gateway))
+        for job in range(60):
+            load.jobs.put_nowait(job)
+        await asyncio.gather(*(send(load, 10**9) for _ in range(4)))
+        assert not load.failed, load.failed
+        tree = family_tree(gateway)
+        assert len([p for p in tree if "gateway.workers" in " ".join(p.cmdline())]) == 2
+        await kill(gateway)
+        assert await gone(tree), [p.cmdline() for p in tree if p.is_running()]
+        return set(load.answered.values())
+
+    answered = asyncio.run(scenario())
+    rows = asyncio.run(stored_calls(database_url))
+    assert answered <= {row["id"] for row in rows}
+    assert len(rows) == len({row["text"] for row in rows}) == 60
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_two_workers_share_one_vllm_that_comes_back_with_their_adapters(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "models").symlink_to(MODELS_DIR)
+    gateway = GatewayProcess(
+        data,
+        "smollm2-135m-instruct",
+        data / "gateway.log",
+        {
+            "KAIZEN_WORKERS": "2",
+            "KAIZEN_VLLM_KV_CACHE_GIB": "1",
+            "KAIZEN_VLLM_PORT": "0",
+            "KAIZEN_SCHEDULER": "false",
+            "KAIZEN_POLICY_REFRESH_S": "0.5",
+            "KAIZEN_LOG_LEVEL": "info",
+        },
+    )
+
+    def vllm_servers() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or [])
+            and str(data / "models") in " ".join(p.info["cmdline"] or [])
+        ]
+
+    async def chat(client: httpx.AsyncClient, model: str) -> str:
+        response = await client.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4},
+        )
+        assert response.status_code == 200, response.text
+        return response.headers["x-kaizen-model"]
+
+    async def scenario() -> None:
+        gateway.start()
+        await gateway.wait_ready(timeout_s=600)
+        assert len(workers(gateway)) == 2
+        [server] = vllm_servers()  # one engine for both workers, started by the parent
+        assert server.ppid() == gateway.process.pid if gateway.process else False
+        await gateway.create_policy("bot")
+        limits = httpx.Limits(max_keepalive_connections=0)
+        headers = {"Authorization": f"Bearer {gateway.api_key}"}
+        async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as client:
+
+            async def everywhere() -> bool:  # the other worker learns of the policy within its refresh
+                try:
+                    return set(await asyncio.gather(*(chat(client, "bot") for _ in range(8)))) == {"bot@0"}
+                except AssertionError:
+                    return False
+
+            assert await poll(everywhere, 60, every_s=0.5), "bot@0 was not served by both workers"
+
+            async def both_served() -> bool:  # connections are spread over the workers by the kernel
+                await asyncio.gather(chat(client, "bot"), chat(client, "bot"))
+                return len(requests_by_worker(gateway)) == 2
+
+            assert await poll(both_served, 120), "one worker served every call"
+
+            async def adopted() -> bool:  # the parent reads the server's adapters every ADOPT_INTERVAL_S
+                return "the engine holds adapters bot@0" in gateway.log_path.read_text()
+
+            assert await poll(adopted, 30), "the parent did not learn the workers' adapter"
+            os.killpg(server.pid, signal.SIGKILL)
+
+            async def back() -> bool:
+                try:
+                    return await chat(client, "bot") == "bot@0"
+                except AssertionError:
+                    return False
+
+            assert await poll(back, 300, every_s=2), "the restarted engine did not serve bot@0"
+            [restarted] = vllm_servers()
+            assert restarted.pid != server.pid
+            served = await asyncio.gather(*(chat(client, "bot") for _ in range(8)))
+            assert set(served) == {"bot@0"}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gateway.stop()
+    assert not vllm_servers()
