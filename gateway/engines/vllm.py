@@ -27,6 +27,19 @@ from gateway.errors import EngineUnavailable, InvalidRequest
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Runs first in vLLM's interpreter: ask Linux for SIGTERM when the gateway dies, even by SIGKILL (the request
+#: survives the exec; vLLM then stops its engine processes), stop if the gateway is already gone, then exec the
+#: server command unchanged. vLLM runs in a session of its own, so nothing else would end it.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 #: Seconds between two reads of the adapters a shared server holds (`adopt_adapters`).
 ADOPT_INTERVAL_S = 5.0
 
@@ -195,9 +208,14 @@ class VLLMEngine(Engine):
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             output = self.log_path.open("ab")
-        log.info("starting vLLM: %s", " ".join(self.launch.command()))
+        command = self.launch.command()
+        log.info("starting vLLM: %s", " ".join(command))
         self._process = await asyncio.create_subprocess_exec(
-            *self.launch.command(),
+            command[0],
+            "-c",
+            _DIE_WITH_PARENT,
+            str(os.getpid()),
+            *command[1:],
             env=self.launch.environment(),
             stdout=output,
             stderr=asyncio.subprocess.STDOUT,

@@ -1,7 +1,8 @@
 """`kaizen serve` with two serving workers on one port, as real processes: calls spread over both, `/metrics`
 covers both, a worker SIGKILLed under load is replaced and loses nothing, and nothing outlives the parent,
-whether it is stopped with SIGTERM or killed. With vLLM: one engine, started once, serves both workers, and a
-restart of that engine gives back the adapters the workers loaded."""
+whether it is stopped with SIGTERM or killed. With vLLM: one engine, started once, serves both workers, a
+restart of that engine gives back the adapters the workers loaded, and a SIGKILLed parent takes the engine
+with it."""
 
 from __future__ import annotations
 
@@ -245,6 +246,12 @@ def test_two_workers_share_one_vllm_that_comes_back_with_their_adapters(tmp_path
             assert restarted.pid != server.pid
             served = await asyncio.gather(*(chat(client, "bot") for _ in range(8)))
             assert set(served) == {"bot@0"}
+        # SIGKILL of the parent: no shutdown code runs, yet the workers and the engine (its own session, its
+        # engine-core processes) go with it.
+        tree = [*family_tree(gateway), *psutil.Process(restarted.pid).children(recursive=True)]
+        assert restarted in tree
+        await kill(gateway)
+        assert await gone(tree, 60), [p.cmdline() for p in tree if p.is_running()]
 
     try:
         asyncio.run(scenario())
