@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from sqlalchemy import update
 
@@ -265,7 +266,7 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
 
 # A training child that records its run as the trainer does, tells the engine it runs, then trains "forever".
 LONG_CHILD = """
-import asyncio, os, sys, time, urllib.request
+import asyncio, os, subprocess, sys, time, urllib.request
 from storage.database import Database
 from storage.jobs import start_job_run
 
@@ -278,7 +279,11 @@ async def record() -> None:
 
 asyncio.run(record())
 urllib.request.urlopen(sys.argv[3]).read()
-open(sys.argv[4], "w").write(str(os.getpid()))
+# A rank as torchrun starts one, which does not stop on SIGTERM: only a SIGKILL to the group ends it.
+rank = subprocess.Popen(
+    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+)
+open(sys.argv[4], "w").write(f"{os.getpid()} {rank.pid}")
 time.sleep(600)
 """
 
@@ -328,6 +333,7 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
                 gate_url="http://127.0.0.1:9/v1",
                 engine_url=f"{root}/v1",
                 sleep_engine=True,
+                stop_grace_s=1.0,
             )
             scheduler = PolicyScheduler(database, JobRunner(database, config), refresh_s=0.5)
             await scheduler.start()
@@ -355,8 +361,12 @@ def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and
         engine.shutdown()
     assert (status, error) == ("failed", "interrupted: the scheduler shut down")
     assert stop_s < 15, stop_s  # stop waited for the job to end, not for the child's 600 s
+    child, rank = (int(pid) for pid in pid_file.read_text().split())
     with pytest.raises(ProcessLookupError):  # killed and reaped before stop returned
-        os.kill(int(pid_file.read_text()), 0)
+        os.kill(child, 0)
+    # The rank went with its group (it is not this process's child: nothing here reaps it, so it may linger
+    # as a zombie until its reaper does).
+    assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
     assert engine.requests == [  # type: ignore[attr-defined]
         "POST /sleep?level=1&mode=wait",
         "GET /child",

@@ -19,7 +19,9 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +83,11 @@ class TrainOptions:
     device: str | None = None
 
 
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """What jobs need from the process settings (built by the gateway; the trainer never reads settings)."""
@@ -105,6 +112,9 @@ class RunnerConfig:
     engine_url: str | None = None
     sleep_engine: bool = False
     train_timeout_s: float = 6 * 3600.0
+    #: What a training child gets after SIGTERM to record its run and stop (torchrun stops its ranks) before
+    #: its process group, whatever is left of it, is killed.
+    stop_grace_s: float = 20.0
     lock_ttl_s: float = 60.0
     #: Age after which calls no policy row owns are deleted (0: kept): a day partition holding one of them is
     #: dropped by a policy's retention only past it.
@@ -374,6 +384,7 @@ class JobRunner:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # a group of its own: stopping it reaches torchrun's ranks too
         )
         assert process.stdin is not None
         with contextlib.suppress(ConnectionError):  # a child that died at once: its exit status tells
@@ -403,12 +414,11 @@ class JobRunner:
                     if run_id is not None:
                         announce(run_id)
                 if time.monotonic() > deadline and process.returncode is None:
-                    process.kill()
-                    tail.append(f"training exceeded {self.config.train_timeout_s:.0f} s and was killed\n")
+                    await self._stop_child(process)
+                    tail.append(f"training exceeded {self.config.train_timeout_s:.0f} s and was stopped\n")
         except BaseException:
             if process.returncode is None:  # the gateway is shutting down: the run is lost, not left running
-                process.kill()
-                await process.wait()
+                await self._stop_child(process)
                 found = run_id or await self._child_run(policy.id, before)
                 if found is not None:
                     await self._finish(found, "failed", error="interrupted: the scheduler shut down")
@@ -419,6 +429,15 @@ class JobRunner:
         if run_id is None:
             run_id = await self._child_run(policy.id, before)
         return process.returncode, tail, run_id
+
+    async def _stop_child(self, process: asyncio.subprocess.Process) -> None:
+        """SIGTERM to the child's process group, then, after `stop_grace_s`, SIGKILL to what is left of it: a
+        SIGKILL to the child alone would leave the ranks torchrun started running without it."""
+        _signal_group(process.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(process.wait()), self.config.stop_grace_s)
+        _signal_group(process.pid, signal.SIGKILL)
+        await process.wait()
 
     async def _child_run(self, policy_id: int, before: int) -> int | None:
         async with self.database.session() as session:
