@@ -12,7 +12,7 @@ from litestar.di import NamedDependency
 from litestar.response import Stream
 from litestar.types import Receive
 
-from gateway.auth import principal_of, requires
+from gateway.auth import authenticates, principal_of
 from gateway.chat import ChatService
 from gateway.errors import APIError
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
@@ -21,7 +21,7 @@ from gateway.routing import Route
 
 class ChatController(Controller):
     path = "/chat/completions"
-    guards = [requires("chat")]  # noqa: RUF012
+    before_request = staticmethod(authenticates("chat"))
 
     @post("", status_code=200, opt={SPENDS_TOKENS: True})
     async def create(
