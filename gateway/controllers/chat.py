@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Request, post
 from litestar.di import NamedDependency
 from litestar.response import Stream
-from litestar.types import Receive
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import authenticates, principal_of
 from gateway.chat import ChatService
@@ -23,25 +23,40 @@ class ChatController(Controller):
     path = "/chat/completions"
     before_request = staticmethod(authenticates("chat"))
 
-    @post("", status_code=200, opt={SPENDS_TOKENS: True})
-    async def create(
-        self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]
-    ) -> Response[bytes] | Stream:
+    # The media type is the stream's: Litestar gives a `Stream` its handler's, and a `JSONReply` sets its own.
+    @post("", status_code=200, media_type="text/event-stream", opt={SPENDS_TOKENS: True})
+    async def create(self, request: Request[Any, Any, Any], chat: NamedDependency[ChatService]) -> ASGIApp:
         ctx = chat.prepare(await request.body(), request.headers, principal_of(request))
         ctx.charge_tokens = token_meter(request.scope)
         try:
             if ctx.request.stream:
                 relay = await chat.stream(ctx)
-                return Stream(
-                    relay,
-                    media_type="text/event-stream",
-                    headers={**call_headers(ctx), "cache-control": "no-cache"},
-                )
+                # A Response (a Stream) is sent the usual way whatever the handler's annotation says.
+                stream = Stream(relay, headers={**call_headers(ctx), "cache-control": "no-cache"})
+                return cast(ASGIApp, stream)
             reply = await unless_disconnected(chat.complete(ctx), request.receive)
-            return Response(reply, media_type="application/json", headers=call_headers(ctx))
+            return JSONReply(reply, call_headers(ctx))
         except APIError as exc:  # the call was recorded: its error answer carries its ids too
             exc.headers.update(call_headers(ctx))
             raise
+
+
+class JSONReply:
+    """A 200 with a JSON body, sent as is. The handler returns it instead of a Litestar `Response`, which would be
+    converted to another object, its headers merged and encoded again, on every call; annotated `ASGIApp`,
+    Litestar passes it through untouched (a `Stream` still goes the usual way)."""
+
+    __slots__ = ("body", "headers")
+
+    def __init__(self, body: bytes, headers: dict[str, str]) -> None:
+        self.body = body
+        self.headers = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body))]
+        raw.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items())
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
 
 
 class CallIdentity(Protocol):
