@@ -19,12 +19,12 @@ import math
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
-from litestar.connection import ASGIConnection
+from litestar.connection import ASGIConnection, Request
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import Guard
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -220,24 +220,40 @@ def requires(scope: Scope) -> Guard:
     """A guard that authenticates the request and checks `scope`; the principal is kept in the request scope."""
 
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-        ring: KeyRing = connection.app.state.key_ring
-        authorization = connection.headers.get("authorization")
-        if scope == "admin":
-            if not ring.admin_enabled:
-                raise AuthenticationError(
-                    "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
-                )
-            throttle: LoginThrottle = connection.app.state.login_throttle
-            found = counted_lookup(ring, throttle, client_address(connection), authorization)
-            if found is None:
-                raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
-            principal = _with_scope(found, scope)
-        else:
-            principal = authenticate_client(ring, authorization, scope)
-        set_principal(connection, principal)
+        _authenticate(connection, scope)
 
     guard.__name__ = f"requires_{scope}"
     return guard
+
+
+def authenticates(scope: Scope) -> Callable[[Request[Any, Any, Any]], Awaitable[None]]:
+    """`requires` as a before-request hook, for the chat route: Litestar hands each guard a copy of the route
+    handler (13 µs a call on the reference machine), a hook only the request. Both run before the body is read
+    and their errors get the same answers. Async, as Litestar runs a synchronous hook in a worker thread."""
+
+    async def hook(request: Request[Any, Any, Any]) -> None:
+        _authenticate(request, scope)
+
+    hook.__name__ = f"authenticates_{scope}"
+    return hook
+
+
+def _authenticate(connection: ASGIConnection[Any, Any, Any, Any], scope: Scope) -> None:
+    ring: KeyRing = connection.app.state.key_ring
+    authorization = connection.headers.get("authorization")
+    if scope == "admin":
+        if not ring.admin_enabled:
+            raise AuthenticationError(
+                "Admin routes are disabled: set KAIZEN_ADMIN_KEY.", code="admin_disabled"
+            )
+        throttle: LoginThrottle = connection.app.state.login_throttle
+        found = counted_lookup(ring, throttle, client_address(connection), authorization)
+        if found is None:
+            raise AuthenticationError("Missing or invalid admin key.", code="invalid_admin_key")
+        principal = _with_scope(found, scope)
+    else:
+        principal = authenticate_client(ring, authorization, scope)
+    set_principal(connection, principal)
 
 
 def set_principal(connection: ASGIConnection[Any, Any, Any, Any], principal: Principal) -> None:
