@@ -163,6 +163,13 @@ class Load:
     concurrency: int
 
 
+def serving_cpu_s(process: psutil.Process) -> float:
+    """CPU seconds of a gateway's serving processes: the process itself and its serving workers (not the
+    capture writers, whose work is not per request)."""
+    serving = [process, *(c for c in process.children() if "gateway.workers" in " ".join(c.cmdline()))]
+    return sum(sum(p.cpu_times()[:2]) for p in serving)
+
+
 async def run_batch(
     session: aiohttp.ClientSession, target: Target, load: Load, count: int, into: Samples
 ) -> None:
@@ -187,12 +194,12 @@ async def run_batch(
                 into.errors += 1
 
     process = psutil.Process(target.pid) if target.pid else None
-    cpu_before = sum(process.cpu_times()[:2]) if process is not None else 0.0
+    cpu_before = serving_cpu_s(process) if process is not None else 0.0
     started, errors_before = time.perf_counter(), into.errors
     await asyncio.gather(*(worker() for _ in range(load.concurrency)))
     elapsed = time.perf_counter() - started
     if process is not None:
-        into.cpu_s += sum(process.cpu_times()[:2]) - cpu_before
+        into.cpu_s += serving_cpu_s(process) - cpu_before
     into.busy_s += elapsed
     into.batch_rates.append((count - (into.errors - errors_before)) / elapsed)
 

@@ -64,7 +64,7 @@ def test_workers_refuse_a_port_that_another_server_holds() -> None:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         held.bind(("127.0.0.1", 0))
         held.listen()
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="in use"):
             listening_sockets("127.0.0.1", held.getsockname()[1], 2)
     sockets = listening_sockets("127.0.0.1", 0, 2)
     assert len({s.getsockname() for s in sockets}) == 1  # two sockets, one port
