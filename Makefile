@@ -93,13 +93,13 @@ test: lint typecheck migrations-check install-vllm install-clients
 	exit $$status
 
 # The same calls direct and through gateways of 1, 2 and (on a machine with more cores) one worker per core,
-# alternated in one run, at concurrency 1, 32 and 64.
+# alternated in one run, at concurrency 1, 32 and 64; client keys, metrics and capture (SQLite) on.
 CORES := $(shell nproc)
 WORKER_VARIANTS := --variant 1-worker:KAIZEN_WORKERS=1 --variant 2-workers:KAIZEN_WORKERS=2 \
   $(if $(filter-out 1 2,$(CORES)),--variant $(CORES)-workers:KAIZEN_WORKERS=$(CORES))
 bench-overhead: install
 	$(BIN)/python -m tests.bench.bench_overhead --concurrency 1 32 64 $(WORKER_VARIANTS) \
-	  --out tests/bench/results/overhead.json
+	  --gateway-env KAIZEN_API_KEYS=bench --out tests/bench/results/overhead.json
 
 # Time from starting `kaizen serve` (upstream engine, SQLite) to /readyz 200, and its memory.
 bench-startup: install
