@@ -173,6 +173,17 @@ def engine_url(engine: Engine) -> str | None:
     return engine.base_url if isinstance(engine, VLLMEngine) else None
 
 
+def engine_urls(engine: Engine) -> list[str]:
+    """The /v1 URLs of the vLLM server(s) `build_vllm_engine` started, for serving workers to attach to."""
+    from gateway.engines.pool import EnginePool
+    from gateway.engines.vllm import VLLMEngine
+
+    if isinstance(engine, EnginePool):
+        return engine.urls()
+    assert isinstance(engine, VLLMEngine)
+    return [engine.base_url]
+
+
 def build_services(
     settings: Settings, engine: Engine | None = None, peers: MetricsPeers | None = None
 ) -> Services:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
-import os
 import shutil
 import signal
 import socket
@@ -29,7 +27,9 @@ from typing import Any
 
 import msgspec
 
+from gateway.engines.base import Engine
 from gateway.settings import Settings
+from trainer.control.child_processes import dying_with_parent, own_modules_environment
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ MAX_QUICK_EXITS = 5
 #: What the workers get to finish their calls and store their capture after SIGTERM (uvicorn's 30 s, then the
 #: capture writer's drain), before they are killed.
 STOP_TIMEOUT_S = 60.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
@@ -50,7 +49,6 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     count: int
     listen_fd: int
     peer_dir: str
-    parent_pid: int
     settings: dict[str, Any]
 
 
@@ -106,10 +104,13 @@ class Supervisor:
         self.count = count
         self._stop = asyncio.Event()
 
-    def _worker_settings(self, port: int, engine_urls: list[str]) -> Settings:
-        update: dict[str, Any] = {"port": port, "workers": 1}
-        if engine_urls:
-            update["vllm_url"] = ",".join(engine_urls)
+    def _worker_settings(self, port: int, engine: Engine | None) -> Settings:
+        """The parent's settings with the port it bound and, when it started the engine, that engine's URLs."""
+        update: dict[str, Any] = {"port": port}
+        if engine is not None:
+            from gateway.app import engine_urls
+
+            update["vllm_url"] = ",".join(engine_urls(engine))
         return self.settings.model_copy(update=update)
 
     async def run(self) -> int:
@@ -121,10 +122,10 @@ class Supervisor:
         peer_dir = Path(tempfile.mkdtemp(prefix="kaizen-workers-"))  # private (0700) and short: socket paths
         engine = None
         try:
-            engine, urls = await self._start_engine()
-            if engine is None and urls is None:
+            engine = await self._start_engine()
+            if self._stop.is_set():
                 return 0  # stopped while the engine was starting
-            settings = self._worker_settings(port, urls or [])
+            settings = self._worker_settings(port, engine)
             workers = [_Worker(index) for index in range(self.count)]
             for worker in workers:
                 await self._spawn(worker, settings, listeners[worker.index], peer_dir)
@@ -143,14 +144,12 @@ class Supervisor:
                 listener.close()
             shutil.rmtree(peer_dir, ignore_errors=True)
 
-    async def _start_engine(self) -> tuple[Any, list[str] | None]:
-        """The vLLM server(s) the workers share, when Kaizen starts them (none otherwise: an upstream or
-        attached servers are reached by each worker itself). (None, None) when a stop came first."""
+    async def _start_engine(self) -> Engine | None:
+        """The vLLM server(s) the workers share, when Kaizen starts them (none otherwise: an upstream or attached
+        servers are reached by each worker itself). A stop while it starts cancels the start."""
         if self.settings.engine != "vllm" or self.settings.vllm_urls:
-            return None, []
+            return None
         from gateway.app import build_vllm_engine
-        from gateway.engines.pool import EnginePool
-        from gateway.engines.vllm import VLLMEngine
 
         engine = build_vllm_engine(self.settings, adopt_adapters=True)
         starting = asyncio.create_task(engine.start(), name="engine-start")
@@ -161,12 +160,9 @@ class Supervisor:
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-            return None, None
+            return None
         starting.result()  # raises what stopped the engine from starting
-        if isinstance(engine, EnginePool):
-            return engine, [replica.engine.base_url for replica in engine.replicas]
-        assert isinstance(engine, VLLMEngine)
-        return engine, [engine.base_url]
+        return engine
 
     async def _spawn(
         self, worker: _Worker, settings: Settings, listener: socket.socket, peer_dir: Path
@@ -176,17 +172,14 @@ class Supervisor:
             count=self.count,
             listen_fd=listener.fileno(),
             peer_dir=str(peer_dir),
-            parent_pid=os.getpid(),
             settings=msgspec.json.decode(settings.model_dump_json()),
         )
-        path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
+        # A SIGKILLed parent cannot stop its workers itself: Linux sends them SIGTERM.
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway.workers",
+            *dying_with_parent([sys.executable, "-m", "gateway.workers"]),
             stdin=asyncio.subprocess.PIPE,
             pass_fds=(listener.fileno(),),
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))},
+            env=own_modules_environment(),
         )
         assert process.stdin is not None
         process.stdin.write(msgspec.json.encode(config) + b"\n")
@@ -275,17 +268,6 @@ def serve_workers(settings: Settings, count: int) -> int:
     return uvloop.run(Supervisor(settings, count).run())
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to send SIGTERM when the parent dies (a SIGKILLed parent cannot stop its workers); a worker
-    whose parent is already gone stops at once."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent_pid:
-        raise SystemExit(0)
-
-
 def run_worker(config: WorkerConfig) -> None:
     """One serving worker: an ordinary gateway attached to the shared engine, accepting from the parent's port."""
     import uvicorn
@@ -301,7 +283,6 @@ def run_worker(config: WorkerConfig) -> None:
     # A worker does not see the others' calls, so none unloads an idle adapter of the shared engine.
     settings = settings.model_copy(update={"adapter_idle_unload_s": math.inf})
     configure_logging(settings.log_level)
-    _die_with_parent(config.parent_pid)
     peers = MetricsPeers(config.index, peer_sockets(Path(config.peer_dir), config.count))
     app = create_app(build_services(settings, peers=peers))
     listener = socket.socket(fileno=config.listen_fd)

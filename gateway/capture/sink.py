@@ -62,6 +62,7 @@ from gateway.capture.writer import (
     segment_path,
 )
 from storage.records import CallRecord
+from trainer.control.child_processes import own_modules_environment
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,6 @@ _ROTATE_S = 1.0
 # up (a drain is timed from then: its imports take seconds on a busy machine).
 _EXIT_GRACE_S = 5.0
 _START_TIMEOUT_S = 60.0
-# The writer must run this very code (the log's format and the pipe's messages are shared): the directory this
-# package was imported from goes first on its path, whatever the working directory is.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The spool file of earlier versions, which held calls while the database was down: stored like a leftover.
 _LEGACY_SPOOL = "calls.jsonl"
 
@@ -401,14 +399,14 @@ class CaptureSink:
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
         self.writer = WriterStatus()
         self._writer_up = asyncio.Event()
-        path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "gateway.capture.writer",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))},
+            # The writer must run this very code: the log's format and the pipe's messages are shared.
+            env=own_modules_environment(),
             limit=LINE_LIMIT,
         )
         assert process.stdin is not None and process.stdout is not None

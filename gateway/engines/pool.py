@@ -78,7 +78,7 @@ class EnginePool(Engine):
         if failed:
             await self.close()
             raise failed[0]
-        log.info("engine pool of %d replicas: %s", len(self.replicas), ", ".join(self._urls()))
+        log.info("engine pool of %d replicas: %s", len(self.replicas), ", ".join(self.urls()))
         self._monitor = asyncio.create_task(self._watch(), name="engine-pool-monitor")
 
     async def close(self) -> None:
@@ -89,7 +89,8 @@ class EnginePool(Engine):
             self._monitor = None
         await asyncio.gather(*(r.engine.close() for r in self.replicas), return_exceptions=True)
 
-    def _urls(self) -> list[str]:
+    def urls(self) -> list[str]:
+        """The replicas' /v1 URLs."""
         return [r.engine.base_url for r in self.replicas]
 
     async def _watch(self) -> None:

@@ -23,23 +23,11 @@ from typing import Any
 from gateway.engines.base import Engine, EngineCapabilities, EngineStream
 from gateway.engines.http import OpenAIHTTPClient
 from gateway.errors import EngineUnavailable, InvalidRequest
+from trainer.control.child_processes import dying_with_parent, signal_group
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-#: Runs first in vLLM's interpreter: ask Linux for SIGTERM when the gateway dies, even by SIGKILL (the request
-#: survives the exec; vLLM then stops its engine processes), stop if the gateway is already gone, then exec the
-#: server command unchanged. vLLM runs in a session of its own, so nothing else would end it.
-_DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except (AttributeError, OSError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
-"""
 #: Seconds between two reads of the adapters a shared server holds (`adopt_adapters`).
 ADOPT_INTERVAL_S = 5.0
 
@@ -210,12 +198,9 @@ class VLLMEngine(Engine):
             output = self.log_path.open("ab")
         command = self.launch.command()
         log.info("starting vLLM: %s", " ".join(command))
+        # Its own session (stopped as a group), yet SIGTERMed when the gateway dies, even by SIGKILL.
         self._process = await asyncio.create_subprocess_exec(
-            command[0],
-            "-c",
-            _DIE_WITH_PARENT,
-            str(os.getpid()),
-            *command[1:],
+            *dying_with_parent(command),
             env=self.launch.environment(),
             stdout=output,
             stderr=asyncio.subprocess.STDOUT,
@@ -247,17 +232,12 @@ class VLLMEngine(Engine):
         process, self._process = self._process, None
         if process is None:
             return
-        self._signal_group(process.pid, signal.SIGTERM)
+        signal_group(process.pid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(process.wait(), timeout=20)
         await asyncio.sleep(0.5)
-        self._signal_group(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
         await process.wait()
-
-    @staticmethod
-    def _signal_group(pgid: int, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signum)
 
     async def _watch(self) -> None:
         """Restart the server when it dies (or stops answering), then re-load the adapters it had."""

@@ -209,7 +209,7 @@ def test_two_workers_share_one_vllm_that_comes_back_with_their_adapters(tmp_path
         await gateway.wait_ready(timeout_s=600)
         assert len(workers(gateway)) == 2
         [server] = vllm_servers()  # one engine for both workers, started by the parent
-        assert server.ppid() == gateway.process.pid if gateway.process else False
+        assert gateway.process is not None and server.ppid() == gateway.process.pid
         await gateway.create_policy("bot")
         limits = httpx.Limits(max_keepalive_connections=0)
         headers = {"Authorization": f"Bearer {gateway.api_key}"}

@@ -383,7 +383,7 @@ def test_the_writer_runs_the_code_its_gateway_was_imported_from() -> None:
     """The writer's path starts with the directory that holds the `gateway` package, so it runs this very code
     whatever the working directory and the installed version are (once, after the capture modules moved into
     `gateway/capture/`, it named `gateway/` itself, where no `gateway` package is)."""
-    from gateway.capture import sink
+    from trainer.control.child_processes import PACKAGE_ROOT
 
-    root = Path(sink._PACKAGE_ROOT)
+    root = Path(PACKAGE_ROOT)
     assert (root / "gateway" / "capture" / "writer.py").is_file()

@@ -31,10 +31,11 @@ import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import msgspec
+
+from trainer.control.child_processes import own_modules_environment
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,6 @@ REASON_CHARS = 300
 
 _RECORD = re.compile(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) ([^\s:]+): (.*)", re.DOTALL)
 _CHUNK = 1 << 16
-
-# The package root of the `trainer` in use: on the child's PYTHONPATH, so it runs the same code as its parent.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class InitialAdapterJob(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,11 +132,6 @@ class _LogForwarder:
         self._logger.log(self._level, "%s", message)
 
 
-def _child_env() -> dict[str, str]:
-    path = [_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-
-
 def _outcome(what: str, status: int, stdout: bytes, forwarder: _LogForwarder) -> ModelJobOutcome:
     if status in (DONE, BASE_MODEL_UNAVAILABLE):
         return ModelJobOutcome(status, clip(stdout.decode(errors="replace").strip()))
@@ -155,7 +148,7 @@ async def run_model_job(command: Sequence[str], job: ModelJob, what: str) -> Mod
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=_child_env(),
+        env=own_modules_environment(),
     )
     assert process.stdin is not None and process.stdout is not None and process.stderr is not None
     forwarder = _LogForwarder()
@@ -185,7 +178,11 @@ def run_model_job_sync(command: Sequence[str], job: ModelJob, what: str) -> Mode
     """`run_model_job` for a caller without an event loop (the base model's pull, under its file lock)."""
     forwarder = _LogForwarder()
     with subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_env()
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=own_modules_environment(),
     ) as process:
         assert process.stdin is not None and process.stdout is not None and process.stderr is not None
         try:

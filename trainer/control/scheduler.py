@@ -19,9 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import shutil
-import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +45,7 @@ from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import last_data_cutoff
+from trainer.control.child_processes import stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
@@ -81,11 +80,6 @@ class TrainOptions:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     since: datetime | None = None
     device: str | None = None
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
 
 
 @dataclass(frozen=True)
@@ -414,11 +408,11 @@ class JobRunner:
                     if run_id is not None:
                         announce(run_id)
                 if time.monotonic() > deadline and process.returncode is None:
-                    await self._stop_child(process)
+                    await stop_group(process, self.config.stop_grace_s)
                     tail.append(f"training exceeded {self.config.train_timeout_s:.0f} s and was stopped\n")
         except BaseException:
             if process.returncode is None:  # the gateway is shutting down: the run is lost, not left running
-                await self._stop_child(process)
+                await stop_group(process, self.config.stop_grace_s)
                 found = run_id or await self._child_run(policy.id, before)
                 if found is not None:
                     await self._finish(found, "failed", error="interrupted: the scheduler shut down")
@@ -429,15 +423,6 @@ class JobRunner:
         if run_id is None:
             run_id = await self._child_run(policy.id, before)
         return process.returncode, tail, run_id
-
-    async def _stop_child(self, process: asyncio.subprocess.Process) -> None:
-        """SIGTERM to the child's process group, then, after `stop_grace_s`, SIGKILL to what is left of it: a
-        SIGKILL to the child alone would leave the ranks torchrun started running without it."""
-        _signal_group(process.pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(process.wait()), self.config.stop_grace_s)
-        _signal_group(process.pid, signal.SIGKILL)
-        await process.wait()
 
     async def _child_run(self, policy_id: int, before: int) -> int | None:
         async with self.database.session() as session:
