@@ -229,14 +229,19 @@ class VLLMEngine(Engine):
     async def _terminate(self) -> None:
         """Stop the server and every process it spawned (engine core, workers): they share its process group,
         and survive the API process if it is killed alone."""
-        process, self._process = self._process, None
+        process = self._process
         if process is None:
             return
-        signal_group(process.pid, signal.SIGTERM)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(process.wait(), timeout=20)
-        await asyncio.sleep(0.5)
-        signal_group(process.pid, signal.SIGKILL)
+        try:
+            signal_group(process.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), timeout=20)
+            await asyncio.sleep(0.5)
+        finally:
+            # Also when cancelled (a shutdown while the watchdog replaces a dead server): the group's survivors
+            # (an engine core ignoring SIGTERM) would otherwise outlive us, and nothing else knows their pids.
+            signal_group(process.pid, signal.SIGKILL)
+            self._process = None
         await process.wait()
 
     async def _watch(self) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,64 @@ def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+FAKE_SERVER = """#!{python}
+import http.server, os, subprocess, sys
+# vLLM's shape: an API server that leads its process group, and an engine core beside it (this one ignores
+# SIGTERM, as a busy core can); both pids go to the list the test checks.
+core = subprocess.Popen(
+    [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
+)
+with open({pids!r}, "a") as pids:
+    pids.write(f"{{os.getpid()}} {{core.pid}}\\n")
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_shutdown_during_a_restart_leaves_no_process(tmp_path: Path) -> None:
+    """The gateway stopping while its watchdog replaces a dead server: the dead server's group (an engine core
+    that ignores SIGTERM) is still SIGKILLed, and no new server is left behind."""
+    pids = tmp_path / "pids"
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_SERVER.format(python=sys.executable, pids=str(pids)))
+    fake.chmod(0o755)
+    port = free_loopback_port()
+    launch = VLLMLaunch(python=str(fake), model="m", served_name="m", port=port)
+    engine = VLLMEngine(base_url=f"http://127.0.0.1:{port}/v1", served_name="m", launch=launch)
+
+    async def run() -> None:
+        await engine.start()
+        server = int(pids.read_text().split()[0])
+        os.kill(server, signal.SIGKILL)
+        while engine.restarts == 0:  # noqa: ASYNC110 (the watchdog has begun replacing it; no event says so)
+            await asyncio.sleep(0.01)
+        await engine.close()
+
+    asyncio.run(run())
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert started, "the fake server never started"
+    deadline = time.monotonic() + 10  # a SIGKILL is delivered, not awaited
+    while (left := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == [], f"still running: {left} (servers and cores: {pids.read_text()!r})"
