@@ -192,6 +192,35 @@ async def start_run(
     return row.id
 
 
+#: The error of a run whose process died before it could record an outcome (`fail_abandoned_runs`).
+ABANDONED_RUN_ERROR = (
+    "abandoned: the process running it stopped before recording an outcome (killed, or its host went away); "
+    "marked failed by the next job of the policy"
+)
+
+
+async def fail_abandoned_runs(session: AsyncSession, policy_id: int) -> list[int]:
+    """Mark failed the policy's runs still `running`: called by a job that holds the policy's lock, so no live job
+    can own them; a SIGKILLed gateway or training child leaves its run `running` for ever otherwise (and the
+    dashboard shows it training). Returns their ids; the caller commits."""
+    ids = list(
+        (
+            await session.scalars(
+                select(TrainingRun.id).where(
+                    TrainingRun.policy_id == policy_id, TrainingRun.status == "running"
+                )
+            )
+        ).all()
+    )
+    if ids:
+        await session.execute(
+            update(TrainingRun)
+            .where(TrainingRun.id.in_(ids))
+            .values(status="failed", error=ABANDONED_RUN_ERROR, finished_at=datetime.now(UTC))
+        )
+    return ids
+
+
 async def finish_run(
     session: AsyncSession,
     run_id: int,

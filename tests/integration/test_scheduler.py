@@ -584,3 +584,39 @@ def test_admin_api_triggers_lists_and_pauses(make_gateway: Callable[..., Any], d
     resumed = httpx.post(gw.url + "/admin/policies/ops/resume", headers=admin)
     assert resumed.json()["schedule"]["paused"] is False
     assert "ops:judge" in {j for j, _ in scheduler.jobs()}
+
+
+def test_a_run_left_running_by_a_dead_process_is_failed_by_the_next_job(
+    database_url: str, tmp_path: Path
+) -> None:
+    """A gateway SIGKILLed mid-training leaves its run `running` and its lock held: once the lock has expired,
+    the policy's next job marks the run failed (as abandoned) before it starts, so nothing shows it training for
+    ever; a run of another policy is not touched."""
+
+    async def scenario() -> tuple[TrainingRun, TrainingRun, Any]:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                policy = await create_policy(session, "orphaned", "base", {})
+                other = await create_policy(session, "other", "base", {})
+                left = TrainingRun(policy_id=policy.id, status="running", config={})
+                elsewhere = TrainingRun(policy_id=other.id, status="running", config={})
+                session.add_all([left, elsewhere])
+                await session.commit()
+                # The dead holder's lock, already expired.
+                assert await acquire_lock(session, "orphaned", "dead-host:1:x", "train", ttl_s=-1)
+            run = await runner(database, tmp_path).run("orphaned", "retention")
+            async with database.session() as session:
+                return (
+                    await session.get_one(TrainingRun, left.id),
+                    await session.get_one(TrainingRun, elsewhere.id),
+                    run,
+                )
+        finally:
+            await database.dispose()
+
+    left, elsewhere, run = asyncio.run(scenario())
+    assert run is not None and run.status == "succeeded"
+    assert left.status == "failed" and left.finished_at is not None
+    assert left.error is not None and left.error.startswith("abandoned:")
+    assert elsewhere.status == "running"

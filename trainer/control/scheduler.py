@@ -44,7 +44,7 @@ from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock
 from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
-from storage.training import last_data_cutoff
+from storage.training import fail_abandoned_runs, last_data_cutoff
 from trainer.control.child_processes import stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
@@ -228,6 +228,14 @@ class JobRunner:
         async with self.database.session() as session:
             if not await acquire_lock(session, name, owner, kind, ttl):
                 raise JobBusy(f"a job of policy {name!r} is already running")
+            abandoned = await fail_abandoned_runs(session, policy.id)
+            await session.commit()
+        if abandoned:
+            logger.warning(
+                "run(s) %s of %s were left running by a process that died; marked failed",
+                ", ".join(map(str, abandoned)),
+                name,
+            )
         try:
             if slot_start is not None:
                 # Under the lock, so no other replica's run of this slot can start meanwhile.

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 from storage.database import Database
 from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
 from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, get_policy, next_version
-from storage.training import episode_calls, finish_run, last_data_cutoff, rewarded_episodes, start_run
+from storage.training import (
+    episode_calls,
+    fail_abandoned_runs,
+    finish_run,
+    last_data_cutoff,
+    rewarded_episodes,
+    start_run,
+)
 from trainer.control.gate import is_held_out
 from trainer.control.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.control.rollouts import hermes_message
@@ -162,6 +169,11 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             held = await acquire_lock(session, policy.name, owner, "train", cfg.lock_ttl_s)
     if not held:
         raise TrainingBusy(f"another job of policy {policy.name!r} is running")
+    if not inherited:  # the scheduler that handed its lock down has done this already
+        async with db.session() as session:
+            if abandoned := await fail_abandoned_runs(session, policy.id):
+                logger.warning("runs %s were left running by a process that died; marked failed", abandoned)
+            await session.commit()
     stop = threading.Event()
     try:
         async with db.session() as session:
