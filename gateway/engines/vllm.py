@@ -297,19 +297,47 @@ class VLLMEngine(Engine):
     # ------------------------------------------------------------------ calls
     async def chat(self, body: dict[str, Any]) -> Any:
         self._require_ready()
-        return await self.client.chat(body)
+        try:
+            return await self.client.chat(body)
+        except InvalidRequest as exc:
+            await self._reload_lost_adapter(body, exc)
+            return await self.client.chat(body)
 
     async def open_stream(self, body: dict[str, Any]) -> EngineStream:
         self._require_ready()
-        return await self.client.open_stream(body)
+        try:
+            return await self.client.open_stream(body)
+        except InvalidRequest as exc:
+            await self._reload_lost_adapter(body, exc)
+            return await self.client.open_stream(body)
 
     async def relay(self, path: str, body: dict[str, Any]) -> Any:
         self._require_ready()
-        return await self.client.request(path, body)
+        try:
+            return await self.client.request(path, body)
+        except InvalidRequest as exc:
+            await self._reload_lost_adapter(body, exc)
+            return await self.client.request(path, body)
 
     async def open_relay_stream(self, path: str, body: dict[str, Any]) -> EngineStream:
         self._require_ready()
-        return await self.client.open_stream(body, path)
+        try:
+            return await self.client.open_stream(body, path)
+        except InvalidRequest as exc:
+            await self._reload_lost_adapter(body, exc)
+            return await self.client.open_stream(body, path)
+
+    async def _reload_lost_adapter(self, body: dict[str, Any], error: InvalidRequest) -> None:
+        """The server answered 404 for an adapter this gateway loaded: it was restarted by someone else (the
+        gateway that supervises a shared server, or an operator), which forgets runtime adapters. Load it again
+        so the caller can retry once; any other error is the caller's."""
+        name = body.get("model")
+        path = self.adapters.get(name) if isinstance(name, str) else None
+        if error.status_code != 404 or path is None:
+            raise error
+        log.warning("the engine no longer holds adapter %s (restarted elsewhere?); loading it again", name)
+        async with self._adapter_lock:
+            await self._load(str(name), path)
 
     async def list_models(self) -> list[str]:
         return await self.client.list_models()

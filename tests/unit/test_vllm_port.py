@@ -9,11 +9,14 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 from gateway.app import build_vllm_engine, engine_url
 from gateway.engines.vllm import VLLMEngine, VLLMLaunch, free_loopback_port, require_free_port
+from gateway.errors import InvalidRequest
 from gateway.scheduling import runner_config
 from gateway.settings import Settings
 from tests.conftest import MODELS_DIR
@@ -144,3 +147,61 @@ def test_shutdown_during_a_restart_leaves_no_process(tmp_path: Path) -> None:
     while (left := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == [], f"still running: {left} (servers and cores: {pids.read_text()!r})"
+
+
+class ForgetfulServer:
+    """A vLLM stand-in with runtime adapters that it forgets on `restart`, answering 404 (vLLM's shape) for a
+    model it does not hold."""
+
+    def __init__(self) -> None:
+        self.adapters: set[str] = set()
+        self.loads = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/load_lora_adapter", self.load)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def load(self, request: web.Request) -> web.Response:
+        self.adapters.add((await request.json())["lora_name"])
+        self.loads += 1
+        return web.Response(text="Success")
+
+    async def chat(self, request: web.Request) -> web.Response:
+        model = (await request.json())["model"]
+        if model not in self.adapters:
+            error = {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}
+            return web.json_response({"error": error}, status=404)
+        return web.json_response({"id": "c", "object": "chat.completion", "model": model, "choices": []})
+
+
+def test_an_attached_engine_loads_an_adapter_again_after_the_server_forgot_it() -> None:
+    """A server restarted by another process (the gateway that supervises it, for a replica attached by URL)
+    holds no runtime adapters: the next call loads the adapter again and is answered, instead of every call
+    failing with 404 until this gateway restarts."""
+    fake = ForgetfulServer()
+
+    async def scenario() -> tuple[Any, Any]:
+        runner = web.AppRunner(fake.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        engine = VLLMEngine(base_url=f"http://127.0.0.1:{port}/v1", served_name="m", launch=None)
+        try:
+            await engine.start()
+            await engine.load_adapter("p@1", "/adapters/p/1")
+            fake.adapters.clear()  # the server restarted
+            answered = await engine.chat({"model": "p@1", "messages": []})
+            with pytest.raises(InvalidRequest) as unknown:  # a model nobody loaded stays a 404
+                await engine.chat({"model": "q@1", "messages": []})
+            return answered, unknown.value
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    answered, unknown = asyncio.run(scenario())
+    assert answered["model"] == "p@1"
+    assert fake.loads == 2 and fake.adapters == {"p@1"}
+    assert unknown.status_code == 404
