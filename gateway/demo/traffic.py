@@ -41,6 +41,10 @@ class CallResult:
     called_tool: bool | None = None
     right_call: bool | None = None
     answered_from_result: bool | None = None
+    #: The gateway's id of the answered call (`x-request-id` of the reply), and whether the gateway accepted
+    #: its reward: what a fault benchmark counts against the database.
+    call_id: str | None = None
+    rewarded: bool = False
 
 
 def served_version(header: str | None) -> int | None:
@@ -54,6 +58,9 @@ def served_version(header: str | None) -> int | None:
 class SimulatedApp:
     """Sends calls at a steady rate; questions come round-robin from a shuffled pool, so a cycle of as many
     calls as there are questions asks each one exactly once."""
+
+    #: Tries of one feedback webhook (a fault benchmark raises it to outlast a database restart).
+    feedback_attempts = FEEDBACK_ATTEMPTS
 
     def __init__(
         self,
@@ -124,14 +131,22 @@ class SimulatedApp:
         completion = raw.parse()
         reply = completion.choices[0].message.content or ""
         value = reward(reply, question)
-        await self._feedback(raw.headers["x-request-id"], value)
+        call_id = raw.headers["x-request-id"]
+        rewarded = await self._feedback(call_id, value)
         return CallResult(
-            question.key, reply, value, served_version(raw.headers.get("x-kaizen-model")), self._now()
+            question.key,
+            reply,
+            value,
+            served_version(raw.headers.get("x-kaizen-model")),
+            self._now(),
+            call_id=call_id,
+            rewarded=rewarded,
         )
 
-    async def _feedback(self, request_id: str, value: float, target: str = "request_id") -> None:
+    async def _feedback(self, request_id: str, value: float, target: str = "request_id") -> bool:
         """Send the reward as a webhook would: a connection lost on the way (a keep-alive connection the
-        gateway closed as it was reused) is retried, freshly signed; the idempotency key stores it once."""
+        gateway closed as it was reused) or a 5xx is retried, freshly signed; the idempotency key stores it once.
+        True when the gateway accepted it."""
         item = {
             target: request_id,
             "value": value,
@@ -139,17 +154,24 @@ class SimulatedApp:
             "idempotency_key": f"demo:{request_id}",
         }
         body = json.dumps(item).encode()
-        for attempt in range(1, FEEDBACK_ATTEMPTS + 1):
+        for attempt in range(1, self.feedback_attempts + 1):
             headers = {"Content-Type": "application/json", HEADER: sign(self.feedback_secret, body)}
             try:
                 response = await self.http.post(f"{self.base_url}/feedback", content=body, headers=headers)
             except httpx.TransportError as exc:
-                logger.warning("feedback attempt %d of %d failed: %r", attempt, FEEDBACK_ATTEMPTS, exc)
+                logger.warning("feedback attempt %d of %d failed: %r", attempt, self.feedback_attempts, exc)
                 await asyncio.sleep(attempt)  # a new second: a new signature, not a replay
+                continue
+            if response.status_code >= 500 and attempt < self.feedback_attempts:
+                logger.warning(
+                    "feedback attempt %d of %d: %d", attempt, self.feedback_attempts, response.status_code
+                )
+                await asyncio.sleep(attempt)
                 continue
             if response.status_code >= 400:
                 logger.warning("feedback refused (%d): %s", response.status_code, response.text[:200])
-            return
+            return response.status_code < 300
+        return False
 
     def _now(self) -> float:
         return time.monotonic() - self.started
@@ -208,7 +230,7 @@ class AgentApp(SimulatedApp):
             return CallResult(locker.key, "", 0.0, version, self._now(), error=str(exc))
         answer = message.content if not calls else None
         value = locker_reward(answer, locker)
-        await self._feedback(episode, value, target="episode_id")
+        rewarded = await self._feedback(episode, value, target="episode_id")
         return CallResult(
             locker.key,
             answer or "",
@@ -218,6 +240,8 @@ class AgentApp(SimulatedApp):
             called_tool=called,
             right_call=right,
             answered_from_result=right and value == 1.0,
+            call_id=raw.headers["x-request-id"],
+            rewarded=rewarded,
         )
 
 
