@@ -101,6 +101,11 @@ async def read_contents(connection: AsyncConnection) -> Contents:
     return Contents(str(revision), active, versions)
 
 
+def _reason(exc: BaseException) -> str:
+    """The driver's own message, without SQLAlchemy's statement and link (and never a URL with its password)."""
+    return str(exc.orig if isinstance(exc, DBAPIError) else exc).strip()
+
+
 # ---------------------------------------------------------------------------------------------- snapshots
 async def snapshot_sqlite(url: str, target: Path) -> Contents:
     source = sqlite_file(url)
@@ -111,7 +116,10 @@ async def snapshot_sqlite(url: str, target: Path) -> Contents:
     )
     started = time.monotonic()
     async with ticking("copying the database", target):
-        await asyncio.to_thread(_sqlite_backup, source, target)
+        try:
+            await asyncio.to_thread(_sqlite_backup, source, target)
+        except sqlite3.Error as exc:
+            raise BackupError(f"could not copy the SQLite database {source}: {exc}") from exc
     log.info("database copied: %s in %.1f s", mib(file_size(target)), time.monotonic() - started)
     engine = create_async_engine(f"sqlite+aiosqlite:///{target}")
     try:
@@ -165,8 +173,8 @@ async def snapshot_postgres(url: str, target: Path, bin_dir: str) -> Contents:
                 )
         log.info("database dumped: %s in %.1f s", mib(file_size(target)), time.monotonic() - started)
         return contents
-    except OSError as exc:
-        raise BackupError(f"could not reach PostgreSQL: {exc}") from exc
+    except (OSError, DBAPIError) as exc:
+        raise BackupError(f"could not read the PostgreSQL database: {_reason(exc)}") from exc
     finally:
         await engine.dispose()
 
@@ -184,8 +192,8 @@ async def relations(url: str) -> list[str]:
         async with engine.connect() as connection:
             query = _PG_RELATIONS if connection.dialect.name == "postgresql" else _SQLITE_RELATIONS
             return [name for name, _ in await connection.execute(query)]
-    except OSError as exc:
-        raise BackupError(f"could not reach the target database: {exc}") from exc
+    except (OSError, DBAPIError) as exc:
+        raise BackupError(f"could not read the target database: {_reason(exc)}") from exc
     finally:
         await engine.dispose()
 
