@@ -67,6 +67,11 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL. `sqlite:///…` and `postgresql://…` are mapped to the async drivers. "
         "Default: a SQLite file `kaizen.db` under the data directory.",
     )
+    pg_bin_dir: str = Field(
+        "",
+        description="Directory of `pg_dump` and `pg_restore`, which `kaizen backup` and `kaizen restore` run on "
+        "PostgreSQL. Empty: PATH, then the newest `/usr/lib/postgresql/*/bin`.",
+    )
 
     # --- serving
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -27,6 +28,12 @@ def alembic_config(url: str) -> Config:
     config.set_main_option("script_location", str(Path(__file__).parent))
     config.set_main_option("sqlalchemy.url", url)
     return config
+
+
+def known_revisions() -> list[str]:
+    """The schema revisions this code can upgrade from, newest (the head) first."""
+    scripts = ScriptDirectory.from_config(alembic_config(""))
+    return [script.revision for script in scripts.walk_revisions()]
 
 
 #: The PostgreSQL advisory lock key that serialises schema upgrades ("kaizen" in ASCII).

@@ -57,6 +57,18 @@ def adapter_dir(data_dir: Path, policy: str, version: int) -> Path:
     return data_dir / "adapters" / policy / str(version)
 
 
+async def relocate_adapters(session: AsyncSession, data_dir: Path) -> int:
+    """Point every version at its directory in the adapter store under `data_dir`, where a restore put its files
+    (the paths stored are those of the store the backup was taken from); returns how many versions."""
+    rows = (
+        await session.execute(select(Adapter, Policy.name).join(Policy, Policy.id == Adapter.policy_id))
+    ).all()
+    for adapter, name in rows:
+        adapter.path = str(adapter_dir(data_dir, name, adapter.version).resolve())
+    await session.flush()
+    return len(rows)
+
+
 class PolicyExists(ValueError):
     pass
 

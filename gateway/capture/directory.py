@@ -52,3 +52,22 @@ class CaptureDirectory:
             with contextlib.suppress(OSError):
                 fcntl.flock(descriptor, fcntl.LOCK_UN)
             os.close(descriptor)
+
+
+def directories_in_use(root: Path) -> list[Path]:
+    """The capture directories under `root` that a live process holds: a gateway serving on this data directory
+    (what a restore must not write under)."""
+    held = []
+    for index in range(MAX_REPLICAS):
+        path = root if index == 0 else root / f"replica-{index}"
+        try:
+            descriptor = os.open(path / ".lock", os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.append(path)
+        finally:
+            os.close(descriptor)  # closing the descriptor releases a lock taken through it
+    return held

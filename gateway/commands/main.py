@@ -9,6 +9,7 @@ import logging
 from collections.abc import Sequence
 
 from gateway.commands import (
+    backup,
     bootstrap,
     database,
     datasets,
@@ -31,7 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kaizen", description="Kaizen: a gateway that makes an LLM agent learn."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (serve, database, models, policy, judge, train, bootstrap, worker, demo, keys, datasets):
+    for command in (
+        serve,
+        database,
+        backup,
+        models,
+        policy,
+        judge,
+        train,
+        bootstrap,
+        worker,
+        demo,
+        keys,
+        datasets,
+    ):
         command.register(commands)
     return parser
 
