@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,10 +80,13 @@ def test_text_tokens_or_missing_logprobs_are_refused() -> None:
 
 
 class FakeGateway:
-    """A stand-in for the gateway's /v1/chat/completions: answers `not_found` 404s first, then `n` choices."""
+    """A stand-in for the gateway's /v1/chat/completions: answers `not_found` 404s first, then `restarting` 503s
+    (an engine restarting), then drops `dropped` connections without an answer, then `n` choices."""
 
-    def __init__(self, not_found: int = 0) -> None:
+    def __init__(self, not_found: int = 0, restarting: int = 0, dropped: int = 0) -> None:
         self.not_found = not_found
+        self.restarting = restarting
+        self.dropped = dropped
         self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
         owner = self
 
@@ -93,6 +97,15 @@ class FakeGateway:
                 if owner.not_found > 0:
                     owner.not_found -= 1
                     self._answer(404, {"error": {"message": "no version 3 yet"}})
+                    return
+                if owner.restarting > 0:
+                    owner.restarting -= 1
+                    self._answer(503, {"error": {"message": "the engine is restarting"}})
+                    return
+                if owner.dropped > 0:
+                    owner.dropped -= 1
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 choices = [choice(i, [(10 + i, -0.5), (2, -0.1)], f"reply {i}") for i in range(body["n"])]
                 self._answer(200, {"choices": choices, "usage": {"prompt_tokens": 4}})
@@ -147,6 +160,27 @@ def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_g
         True,
         True,
     )
+
+
+def test_a_restarting_engine_and_lost_connections_are_waited_out() -> None:
+    """vLLM restarting after a crash answers 503 for a minute or more, and a gateway restarting drops its
+    connections: a training run waits them out instead of failing."""
+    gateway = FakeGateway(restarting=3, dropped=2)
+    thread = threading.Thread(target=gateway.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        sampler = EngineEndpoint(gateway.url, wait_s=30).sampler(
+            "bot@1", Template(), max_tokens=4, temperature=1.0
+        )
+        samples = asyncio.run(sampler.sample([{"role": "user", "content": "q"}], None, 2, {}))
+    finally:
+        gateway.server.shutdown()
+    assert len(samples) == 2
+    assert len(gateway.requests) == 6  # 3 answered 503, 2 dropped, then the answer
+
+
+def test_the_trainer_waits_long_enough_for_vllm_to_restart() -> None:
+    assert EngineEndpoint("http://127.0.0.1:9/v1").wait_s >= 120
 
 
 def test_an_unreachable_gateway_fails_naming_the_url_and_the_local_sampler() -> None:

@@ -43,7 +43,7 @@ from trainer.control.collapse import (
     measure,
     movement_problems,
 )
-from trainer.control.gateway_requests import gateway_headers, post_completion
+from trainer.control.gateway_requests import ENGINE_RESTART_WAIT_S, gateway_headers, post_completion
 from trainer.control.policy_config import GateConfig
 from trainer.control.rollouts import (
     RolloutTask,
@@ -193,7 +193,7 @@ class VersionSampler:
         base_url: str,
         api_key: str | None,
         config: GateConfig,
-        wait_for_version_s: float = 30,
+        wait_for_version_s: float = ENGINE_RESTART_WAIT_S,
         *,
         tools: ToolCaller | None = None,
         max_turns: int = 8,

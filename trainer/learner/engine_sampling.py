@@ -17,7 +17,12 @@ from typing import Any
 
 import httpx
 
-from trainer.control.gateway_requests import EngineSamplingError, gateway_headers, post_completion
+from trainer.control.gateway_requests import (
+    ENGINE_RESTART_WAIT_S,
+    EngineSamplingError,
+    gateway_headers,
+    post_completion,
+)
 from trainer.control.rollouts import SampledTurn
 from trainer.learner.tokens import prompt_ids
 
@@ -35,8 +40,8 @@ class EngineEndpoint:
     #: The gateway's `max_n`: larger groups are requested in several calls.
     max_n: int = 16
     request_timeout_s: float = 600.0
-    #: How long 404/503 answers and refused connections are retried before the run fails.
-    wait_s: float = 30.0
+    #: How long 404/503 answers and lost connections are retried before the run fails.
+    wait_s: float = ENGINE_RESTART_WAIT_S
 
     def sampler(self, model: str, tokenizer: Any, *, max_tokens: int, temperature: float) -> EngineSampler:
         return EngineSampler(self, model, tokenizer, max_tokens=max_tokens, temperature=temperature)
