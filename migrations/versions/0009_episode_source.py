@@ -11,10 +11,17 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0009"
 down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "adds `episodes.source` with a constant default (no rewrite) and an index whose build makes the "
+    "capture writer wait (seconds at a million episodes); the previous revision's episodes are traffic"
+)
 
 
 def upgrade() -> None:
