@@ -31,10 +31,15 @@ def unpack(ref: str, target: Path) -> str:
     return commit
 
 
-def tree_env(tree: Path) -> dict[str, str]:
-    """An environment whose Python imports Kaizen from `tree`. PYTHONSAFEPATH: `python -m` (the gateway and its
+def tree_paths(tree: Path) -> dict[str, str]:
+    """The variables that make Python import Kaizen from `tree`. PYTHONSAFEPATH: `python -m` (the gateway and its
     children) would otherwise put the working directory, this checkout, first on the path."""
-    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+    return {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """This process's environment, importing Kaizen from `tree`."""
+    return {**os.environ, **tree_paths(tree)}
 
 
 def check_tree(tree: Path) -> None:
