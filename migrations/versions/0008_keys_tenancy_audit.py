@@ -20,8 +20,9 @@ depends_on: str | Sequence[str] | None = None
 
 ONLINE_SAFETY: OnlineSafety = Online(
     "creates `api_keys` and `audit`, adds nullable columns and `episodes.project` with a constant default "
-    "(no rewrite); the index on `episodes.project` makes the capture writer wait for its build (seconds at a "
-    "million episodes). The previous revision's episodes get the built-in project, where its keys belong"
+    "(no rewrite); writes to `episodes` (the capture writer's, feedback's) wait for the build of its index, "
+    "seconds at a million episodes. The previous revision's episodes get the built-in project, where its keys "
+    "belong"
 )
 
 

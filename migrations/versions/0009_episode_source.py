@@ -19,8 +19,9 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 ONLINE_SAFETY: OnlineSafety = Online(
-    "adds `episodes.source` with a constant default (no rewrite) and an index whose build makes the "
-    "capture writer wait (seconds at a million episodes); the previous revision's episodes are traffic"
+    "adds `episodes.source` with a constant default (no rewrite); writes to `episodes` (the capture "
+    "writer's, feedback's) wait for the build of its index, seconds at a million episodes; the previous "
+    "revision's episodes are traffic"
 )
 
 

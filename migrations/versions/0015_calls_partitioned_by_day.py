@@ -35,8 +35,8 @@ depends_on: str | Sequence[str] | None = None
 
 ONLINE_SAFETY: OnlineSafety = Offline(
     "copies `calls` into a partitioned table under an exclusive lock: every read and write of `calls` "
-    "waits for the whole copy (minutes at a million calls), so feedback requests fail after 30 s and capture "
-    "backs up in the log",
+    "waits until the whole table is copied, so feedback requests fail after 30 s and the capture backs up in "
+    "the log",
     dialects=("postgresql",),
 )
 
