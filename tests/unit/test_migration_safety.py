@@ -4,6 +4,7 @@ verdicts are read along is one line."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -53,3 +54,15 @@ def test_the_verdict_depends_on_the_database_only_where_declared() -> None:
     assert rewrite.safe_on("sqlite")
     assert not Offline("drops a table the previous revision writes").safe_on("sqlite")
     assert Online("creates a table nothing reads yet").safe_on("postgresql")
+
+
+def test_the_operations_guide_lists_every_migration_with_its_verdict() -> None:
+    """docs/operations.md's table is what operators plan an upgrade by: it must say what the modules declare."""
+    guide = (VERSIONS.parents[1] / "docs" / "operations.md").read_text()
+    table = dict(re.findall(r"^\| `(\d{4})` \| (\w+ / \w+) \|", guide, flags=re.MULTILINE))
+    declared = {}
+    for path in MODULES:
+        module = load(path)
+        verdicts = ("yes" if module.ONLINE_SAFETY.safe_on(d) else "no" for d in ("postgresql", "sqlite"))
+        declared[module.revision] = " / ".join(verdicts)
+    assert table == declared
