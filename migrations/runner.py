@@ -134,9 +134,8 @@ class NewerDatabase:
 
     current: str
     head: str  # this code's newest revision
-    since: (
-        tuple[SchemaRevision, ...] | None
-    )  # recorded after `head`, oldest first; None: not a descendant of it
+    #: The revisions recorded after `head`, oldest first; None when the record does not lead back to `head`.
+    since: tuple[SchemaRevision, ...] | None
 
     @property
     def serves(self) -> bool:
@@ -197,7 +196,7 @@ def read_plan(connection: Connection, url: str, revision: str = "head") -> Plan 
     head = script.get_current_head()
     assert head is not None
     if current is not None and current not in {s.revision for s in script.walk_revisions()}:
-        return NewerDatabase(current, head, _newer(connection, current, head).since)
+        return _newer(connection, current, head)
     try:
         target = script.get_revision(revision)
     except CommandError as exc:
