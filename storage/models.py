@@ -368,3 +368,17 @@ class DashboardLogout(Base):
 
     nonce: Mapped[str] = mapped_column(String(64), primary_key=True)  # the session's random nonce
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class SchemaRevision(Base):
+    """A schema revision applied to this database, with its predecessor and whether it was safe to run while the
+    previous revision's gateways served. A gateway whose code is older than the database reads these rows to tell
+    whether it may serve on it (`migrations.runner`): it does not know the newer revisions itself."""
+
+    __tablename__ = "schema_revisions"
+
+    revision: Mapped[str] = mapped_column(String(32), primary_key=True)
+    previous: Mapped[str | None] = mapped_column(String(32))
+    online_safe: Mapped[bool] = mapped_column(Boolean)  # on this database's dialect
+    note: Mapped[str] = mapped_column(Text)  # why it is (not) online-safe
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

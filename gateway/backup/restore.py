@@ -150,7 +150,8 @@ async def restore_backup(settings: Settings, source: Path, *, force: bool) -> Re
         await restore_postgres(database_file, url, settings.pg_bin_dir, drop_first=bool(tables))
     if manifest.schema_revision != known[0]:
         log.info("upgrading the schema from revision %s to %s", manifest.schema_revision, known[0])
-    await upgrade_database(url)
+    # Nothing serves the restored database yet (a gateway on the target was refused above): every migration may run.
+    await upgrade_database(url, gateways_stopped=True, by="kaizen restore")
     await asyncio.to_thread(_restore_files, source, manifest, settings.data_dir, replace=bool(occupied))
     database = Database(url)
     try:

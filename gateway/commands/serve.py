@@ -13,7 +13,7 @@ log = logging.getLogger("kaizen")
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    serve = commands.add_parser("serve", help="Run the gateway (applies migrations first).")
+    serve = commands.add_parser("serve", help="Run the gateway (applies online-safe migrations first).")
     add_every_setting(serve)
     serve.set_defaults(func=serve_command)
     listing = commands.add_parser(
@@ -55,7 +55,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     log.info("applying database migrations (%s)", settings.database_url.split("@")[-1])
-    asyncio.run(upgrade_database(settings.database_url))
+    # Online-safe migrations only: one that is not is refused (with what to do), as other replicas may still serve.
+    asyncio.run(upgrade_database(settings.database_url, by="kaizen serve"))
     workers = settings.serving_workers()
     if workers > 1:
         from gateway.workers import serve_workers

@@ -12,10 +12,14 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0001"
 down_revision: str | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online("creates the schema: there is no previous revision to keep serving")
 
 
 def upgrade() -> None:

@@ -11,10 +11,18 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "adds `rewards.status` with a constant default (no table rewrite) and `judge_groups`; the index on "
+    "`rewards.status` makes feedback writes wait for its build (seconds at a million rewards); the previous "
+    "revision's rewards get `linked`, what they were"
+)
 
 
 def upgrade() -> None:

@@ -11,10 +11,17 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Offline, OnlineSafety
+
 revision: str = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Offline(
+    "drops `training_locks`, where a training run of the previous revision takes its lock: its scheduled "
+    "and manual runs fail until it is stopped (calls are unaffected)"
+)
 
 
 def upgrade() -> None:

@@ -11,10 +11,18 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0006"
 down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "adds a nullable column to `calls` (no rewrite) and an index on it, whose build makes the capture "
+    "writer wait (seconds at a million calls; the calls wait in the capture log); the previous revision keeps "
+    "storing the client's id as the call id, which feedback still finds"
+)
 
 
 def upgrade() -> None:

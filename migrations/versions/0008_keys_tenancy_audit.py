@@ -11,10 +11,19 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0008"
 down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "creates `api_keys` and `audit`, adds nullable columns and `episodes.project` with a constant default "
+    "(no rewrite); writes to `episodes` (the capture writer's, feedback's) wait for the build of its index, "
+    "seconds at a million episodes. The previous revision's episodes get the built-in project, where its keys "
+    "belong"
+)
 
 
 def upgrade() -> None:

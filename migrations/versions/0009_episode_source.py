@@ -11,10 +11,18 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0009"
 down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "adds `episodes.source` with a constant default (no rewrite); writes to `episodes` (the capture "
+    "writer's, feedback's) wait for the build of its index, seconds at a million episodes; the previous "
+    "revision's episodes are traffic"
+)
 
 
 def upgrade() -> None:

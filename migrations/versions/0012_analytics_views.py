@@ -16,10 +16,16 @@ from collections.abc import Sequence
 
 from alembic import op
 
+from migrations.online import Online, OnlineSafety
+
 revision: str = "0012"
 down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Online(
+    "creates views; `CREATE VIEW` takes no lock that stops reads or writes of the tables it reads"
+)
 
 VIEWS = ("trajectories", "traffic_daily", "rewards_daily", "judge_daily")
 

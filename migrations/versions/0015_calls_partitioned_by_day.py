@@ -26,10 +26,19 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Offline, OnlineSafety
+
 revision: str = "0015"
 down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Offline(
+    "copies `calls` into a partitioned table under an exclusive lock: every read and write of `calls` "
+    "waits until the whole table is copied, so feedback requests fail after 30 s and the capture backs up in "
+    "the log",
+    dialects=("postgresql",),
+)
 
 #: Day partitions created beyond today (the application keeps creating them ahead; see storage/partitions.py).
 DAYS_AHEAD = 14

@@ -22,10 +22,19 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from migrations.online import Offline, OnlineSafety
+
 revision: str = "0019"
 down_revision: str | None = "0015"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+ONLINE_SAFETY: OnlineSafety = Offline(
+    "builds trigram indexes over the text of every call: writes to `calls` wait for minutes at a million "
+    "calls, and meanwhile the capture backs up in the log and a conversation's next turn answered by another "
+    "replica starts a new episode instead of joining its own",
+    dialects=("postgresql",),
+)
 
 TRIGRAM_INDEXES = (("ix_calls_request_trgm", "request"), ("ix_calls_response_trgm", "response"))
 

@@ -29,12 +29,14 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from tests.support.older_tree import tree_env
+from tests.support.older_tree import unpack as unpack_tree
 
 logger = logging.getLogger("bench_learning")
 
@@ -47,24 +49,9 @@ SCORER = "gateway.demo.tasks:score"
 
 def unpack(ref: str, target: Path) -> str:
     """The tree of `ref` under `target`, plus this tree's task module; returns the full commit id."""
-    commit = subprocess.run(
-        ["git", "rev-parse", f"{ref}^{{commit}}"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    archive = target.with_suffix(".tar")
-    with archive.open("wb") as out:
-        subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, stdout=out)
-    target.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    archive.unlink()
+    commit = unpack_tree(ref, target)
     shutil.copyfile(ROOT / TASK_MODULE, target / TASK_MODULE)
     return commit
-
-
-def tree_env(tree: Path) -> dict[str, str]:
-    """An environment whose Python imports Kaizen from `tree`. PYTHONSAFEPATH: `python -m` (the gateway and its
-    training child) would otherwise put the working directory, this checkout, first on the path."""
-    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
 
 
 def demo_policy(tree: Path, base_model: str, scorer: str = SCORER) -> dict[str, Any]:

@@ -29,7 +29,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.older_tree import check_tree, tree_env, unpack
 from tests.support.ports import free_port
 from tests.support.proc_stats import cpu_seconds
 from tests.support.scripted_upstream import ScriptedUpstream
@@ -54,37 +54,6 @@ READY_TIMEOUT_S = 300.0
 CREATE_TIMEOUT_S = 900.0
 SAMPLE_S = 0.01
 _CHILD_PEAK = re.compile(r"version 0 ready at .* \(peak RSS (\d+) MiB\)")
-
-
-def unpack(ref: str, target: Path) -> str:
-    """The tree of `ref` under `target`; returns the full commit id."""
-    commit = subprocess.run(
-        ["git", "rev-parse", f"{ref}^{{commit}}"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.strip()
-    archive = target.with_suffix(".tar")
-    with archive.open("wb") as out:
-        subprocess.run(["git", "archive", commit], cwd=ROOT, check=True, stdout=out)
-    target.mkdir(parents=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    archive.unlink()
-    return commit
-
-
-def tree_env(tree: Path) -> dict[str, str]:
-    """An environment whose Python imports Kaizen from `tree` (PYTHONSAFEPATH: not from the working directory)."""
-    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
-
-
-def check_tree(tree: Path) -> None:
-    """Fail unless a gateway started with `tree_env(tree)` runs the code under `tree`."""
-    script = "import json, gateway, trainer; print(json.dumps([gateway.__file__, trainer.__file__]))"
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=tree_env(tree), check=True, capture_output=True, text=True
-    )
-    modules = json.loads(out.stdout)
-    if not all(Path(module).is_relative_to(tree) for module in modules):
-        raise RuntimeError(f"a gateway would import {modules}, not the code under {tree}")
 
 
 def memory_kib(pid: int) -> dict[str, int]:
