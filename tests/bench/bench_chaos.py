@@ -56,6 +56,7 @@ from gateway.demo.tasks import TASKS
 from gateway.demo.traffic import CallResult, SimulatedApp
 from tests.support.ports import free_port
 from tests.support.postgres import PostgresServer, find_bin_dir
+from tests.support.tcp_balancer import TcpBalancer
 
 logger = logging.getLogger("bench_chaos")
 
@@ -93,47 +94,6 @@ class Run:
 
     def now(self) -> float:
         return round(time.monotonic() - self.started, 1)
-
-
-class Balancer:
-    """Round-robin TCP balancing over the replicas' ports; a refused connection tries the next replica."""
-
-    def __init__(self, ports: list[int]) -> None:
-        self.ports = ports
-        self.port = free_port()
-        self._next = 0
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _serve(self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter) -> None:
-        for _ in range(len(self.ports)):
-            port = self.ports[self._next % len(self.ports)]
-            self._next += 1
-            try:
-                backend_in, backend_out = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                continue
-            await asyncio.gather(_pipe(client_in, backend_out), _pipe(backend_in, client_out))
-            return
-        client_out.close()
-
-
-async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-    try:
-        while data := await source.read(65536):
-            sink.write(data)
-            await sink.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        with contextlib.suppress(Exception):
-            sink.close()
 
 
 class ChaosApp(SimulatedApp):
@@ -431,9 +391,11 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "task": args.task,
     }
-    balancer = Balancer([int(a.url.rsplit(":", 1)[1]), int(b.url.rsplit(":", 1)[1])])
+    balancer = TcpBalancer(failover=True)
+    for name, gateway in (("A", a), ("B", b)):
+        balancer.add(name, int(gateway.url.rsplit(":", 1)[1]))
     await balancer.start()
-    url = f"http://127.0.0.1:{balancer.port}"
+    url = balancer.url
     app: ChaosApp | None = None
     background: list[asyncio.Task[Any]] = []
     try:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -620,3 +621,76 @@ def test_a_run_left_running_by_a_dead_process_is_failed_by_the_next_job(
     assert left.status == "failed" and left.finished_at is not None
     assert left.error is not None and left.error.startswith("abandoned:")
     assert elsewhere.status == "running"
+
+
+ORPHANED_PARENT = """
+import asyncio, sys
+from pathlib import Path
+from storage.database import Database
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scheduler import JobRunner, RunnerConfig
+
+CHILD = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+
+
+async def main() -> None:
+    database = Database(sys.argv[1])
+    config = RunnerConfig(
+        data_dir=Path(sys.argv[2]),
+        judge=JudgeSettings(model=""),
+        database_url=database.url,
+        train_command=[sys.executable, "-c", CHILD, sys.argv[3]],
+        gate_url="http://127.0.0.1:9/v1",
+    )
+    await JobRunner(database, config).run("orphan", "train")
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigkilled_gateway_takes_its_training_child_with_it(database_url: str, tmp_path: Path) -> None:
+    """The training child has a session of its own (so that stopping it reaches torchrun's ranks), which a
+    SIGKILL to its gateway does not reach: it asks Linux for SIGTERM when its parent dies. An orphan would go on
+    training under the job lock it inherited, and no run of the policy could start until it ended."""
+
+    async def setup() -> None:
+        database = await fresh_database(database_url)
+        try:
+            async with database.session() as session:
+                await create_policy(session, "orphan", "base", {})
+                await session.commit()
+        finally:
+            await database.dispose()
+
+    asyncio.run(setup())
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            ORPHANED_PARENT,
+            async_database_url(database_url),
+            str(tmp_path),
+            str(pid_file),
+        ],
+        cwd=REPO,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None, "the job ended before its child started"
+            assert time.monotonic() < deadline, "the training child never started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the training child outlived its SIGKILLed parent"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if pid_file.exists() and pid_file.read_text() and psutil.pid_exists(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -3,7 +3,9 @@
 Each accepted connection goes to the next backend in the rotation (round robin) and its bytes are copied both
 ways until both sides are done. `drain` takes a backend out of the rotation and waits until the connections it
 holds have ended, as a load balancer's connection draining (deregistration delay) does before the backend is
-stopped. A backend that refuses or breaks a connection makes that call fail: the client sees it.
+stopped. A backend that refuses or breaks a connection makes that call fail: the client sees it, unless
+`failover` is set: then a refused connection goes to the next backend, as a balancer with health checks takes a
+dead replica out of the rotation (a connection broken mid-call still fails).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Backend:
 @dataclass
 class TcpBalancer:
     rotation: list[Backend] = field(default_factory=list)
+    failover: bool = False
     _server: asyncio.Server | None = None
     _turn: itertools.count[int] = field(default_factory=itertools.count)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -79,14 +82,19 @@ class TcpBalancer:
         if not self.rotation:
             client_writer.close()
             return
-        backend = self.rotation[next(self._turn) % len(self.rotation)]
-        backend.active += 1
-        try:
+        tries = len(self.rotation) if self.failover else 1
+        for attempt in range(tries):
+            backend = self.rotation[next(self._turn) % len(self.rotation)]
             try:
                 backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", backend.port)
+                break
             except OSError:
                 backend.refused += 1
-                return
+                if attempt == tries - 1:
+                    client_writer.close()
+                    return
+        backend.active += 1
+        try:
             try:
                 await asyncio.gather(
                     _copy(client_reader, backend_writer), _copy(backend_reader, client_writer)

@@ -35,7 +35,7 @@ from typing import IO, Any, TypeVar
 
 import msgspec
 
-from trainer.control.child_processes import own_modules_environment
+from trainer.control.child_processes import dying_with_parent, own_modules_environment
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ async def run_model_job(command: Sequence[str], job: ModelJob, what: str) -> Mod
     """Start `command` (a model job's child), hand it `job` and wait for it, logging its log as it comes; the event
     loop goes on serving meanwhile. Cancelled, it kills the child. `what` names the job in an error."""
     process = await asyncio.create_subprocess_exec(
-        *command,
+        *dying_with_parent(command),  # no orphan holding a model's memory after a SIGKILLed gateway
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

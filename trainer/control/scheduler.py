@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import shutil
+import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.training import fail_abandoned_runs, last_data_cutoff
-from trainer.control.child_processes import stop_group
+from trainer.control.child_processes import dying_with_parent, stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
@@ -341,7 +342,7 @@ class JobRunner:
             rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path, options)
         finally:
             await self._engine_sleep(False)
-        error = "".join(tail).strip()[-4000:] or f"training process exited with {rc}"
+        error = _exit_error(rc, "".join(tail).strip()[-4000:])
         if run_id is None:  # it died before recording a run (bad config, missing model, crash at import)
             run_id = await self._new_run(policy, "train", trigger)
             announce(run_id)
@@ -381,12 +382,15 @@ class JobRunner:
         job = self.config.training_job(policy.name, base_model, options, lock_owner=owner)
         argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
+        # A group of its own (stopping it reaches torchrun's ranks too), yet SIGTERMed when this process dies, even
+        # by SIGKILL: an orphan would go on training under the lock it inherited, and no run could start until
+        # it ended.
         process = await asyncio.create_subprocess_exec(
-            *argv,
+            *dying_with_parent(argv),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # a group of its own: stopping it reaches torchrun's ranks too
+            start_new_session=True,
         )
         assert process.stdin is not None
         with contextlib.suppress(ConnectionError):  # a child that died at once: its exit status tells
@@ -774,3 +778,15 @@ class PolicyScheduler:
         if fresh >= threshold:
             logger.info("%s: %d newly rewarded episodes (threshold %d): training", policy, fresh, threshold)
             await self.fire(policy, "train", "threshold")
+
+
+def _exit_error(rc: int | None, tail: str) -> str:
+    """What a training child that recorded no outcome died of, then its last log lines: a run killed by a
+    signal says so, rather than ending on whatever line its log had reached."""
+    if rc is not None and rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"training process killed by {signal.Signals(-rc).name}" + (
+                f"; its log ended:\n{tail}" if tail else ""
+            )
+    status = f"training process exited with {rc}"
+    return f"{status}; its log ended:\n{tail}" if tail else status
