@@ -63,7 +63,9 @@ logger = logging.getLogger("bench_chaos")
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("gateway", "writer", "vllm", "training", "postgres")
 #: The app's calls as stored: live traffic, not the training run's own sampling through the gateway.
-TRAFFIC_CALLS = "SELECT c.id FROM calls c JOIN episodes e ON e.id = c.episode_id WHERE e.source = 'traffic'"
+TRAFFIC_CALLS = (
+    "SELECT c.id, c.status FROM calls c JOIN episodes e ON e.id = c.episode_id WHERE e.source = 'traffic'"
+)
 #: Every process of the run inherits this variable: what is left of the run after it is found by it.
 MARKER = "KAIZEN_BENCH_CHAOS_RUN"
 
@@ -249,8 +251,9 @@ async def _query(database_url: str, sql: str) -> dict[str, Any]:
 async def account(database_url: str, run: Run) -> dict[str, Any]:
     """Answered against stored, rewards accepted against stored, and what the training runs did."""
     answered = {r.call_id for r in run.results if r.call_id}
-    calls = [row[0] for row in (await _query(database_url, TRAFFIC_CALLS))["rows"]]
-    stored = Counter(calls)
+    rows = (await _query(database_url, TRAFFIC_CALLS))["rows"]
+    stored = Counter(row[0] for row in rows)
+    errors = {row[0] for row in rows if row[1] != "ok"}
     accepted = {f"demo:{r.call_id}" for r in run.results if r.rewarded}
     reward_rows = (
         await _query(
@@ -280,7 +283,11 @@ async def account(database_url: str, run: Run) -> dict[str, Any]:
             "answered_and_stored": len(answered & set(stored)),
             "answered_not_stored": sorted(answered - set(stored)),
             "stored_twice": sorted(k for k, n in stored.items() if n > 1),
-            "stored_not_answered": len(set(stored) - answered),
+            "answered_but_stored_as_failed": sorted(answered & errors),
+            # Attempts that failed (503 while the engine restarted, retried by the SDK): recorded as failed calls.
+            "failed_attempts_stored": len(errors),
+            # Answered by a gateway, yet the client never got the reply (the connection broke on the way back).
+            "stored_ok_not_received": len(set(stored) - answered - errors),
         },
         "rewards": {
             "accepted": len(accepted),
