@@ -607,7 +607,13 @@ class CaptureSink:
                 setattr(self._earlier, name, getattr(self._earlier, name) + getattr(self.writer, name))
             self.writer = WriterStatus()
             await asyncio.sleep(self.retry_s)
-            self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
+            try:
+                self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
+            except (
+                OSError
+            ) as exc:  # the next segment cannot be created (a full disk): the next append retries
+                if self._log_error is None:
+                    self._log_failed(exc)
             await self._spawn(self.wal.segment)
 
     async def _tick(self) -> None:
