@@ -208,6 +208,8 @@ def build_services(
         segment_bytes=settings.capture_segment_bytes,
         drain_timeout_s=settings.capture_drain_timeout_s,
         stitch_grace_ms=settings.stitch_grace_ms,
+        memory_limit_bytes=settings.capture_memory_bytes,
+        require_durable=settings.capture_require_durable,
     )
     metrics = (
         GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink, peers=peers)

@@ -23,7 +23,7 @@ from gateway.body_depth import refuse_too_deep
 from gateway.capture.sink import CaptureSink
 from gateway.engines.base import Engine, EngineStream, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, StitchCache, assign_episode, new_id, valid_id
-from gateway.errors import APIError, InvalidRequest, PayloadTooLarge, PermissionDenied
+from gateway.errors import APIError, CaptureUnavailable, InvalidRequest, PayloadTooLarge, PermissionDenied
 from gateway.json_schemas import check_schema
 from gateway.metrics import CallMetrics
 from gateway.normalize import Captured, StreamAssembler, normalize_completion
@@ -344,6 +344,9 @@ class ChatService:
         group_key = (request.metadata or {}).get("group_key") or _group_key(headers.get("x-kaizen-group-key"))
         sent_source = headers.get("x-kaizen-source")
         source = EPISODE_SOURCE_TRAFFIC if sent_source is None else _source(sent_source, principal)
+        capture = headers.get("x-kaizen-no-log", "").lower() not in ("true", "1", "yes")
+        if capture and self.sink.refusing:  # strict capture, and the log cannot be written: before the engine
+            raise CaptureUnavailable()
         lookup = None if episode.resolved else self._start_lookup(hashes.lookup)
         return CallContext(
             call_id=new_id(),
@@ -354,7 +357,7 @@ class ChatService:
             episode_id=episode.episode_id,
             episode_resolved=episode.resolved,
             hashes=hashes,
-            capture=headers.get("x-kaizen-no-log", "").lower() not in ("true", "1", "yes"),
+            capture=capture,
             started=started,
             principal=principal,
             group_key=group_key,
@@ -495,35 +498,52 @@ class ChatService:
         error: APIError | None,
         ttft: float | None,
     ) -> None:
+        """Count the call and capture it. Raises `CaptureUnavailable` for an answered call whose record the
+        capture log cannot take when the gateway must refuse such calls (`capture_require_durable`)."""
         latency_s = time.perf_counter() - ctx.started
         stitch_keys: list[str] = []
         usage = captured.usage if captured is not None and captured.usage else None
         if ctx.charge_tokens is not None and usage is not None:
             ctx.charge_tokens(int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0))
-        if self.metrics is not None:
-            self.metrics.call(
-                ctx.request.model,
-                ctx.route.engine_model,
-                status,
-                bool(ctx.request.stream),
-                latency_s,
-                ttft,
-                int(usage.get("prompt_tokens") or 0) if usage is not None else 0,
-                int(usage.get("completion_tokens") or 0) if usage is not None else 0,
-            )
         if captured is not None:
             stitch_keys = [ctx.hashes.continuation(c["message"]) for c in captured.response["choices"]]
             self.stitch.remember(stitch_keys, ctx.episode_id, settled=ctx.episode_resolved)
         stored_response = None
         if ctx.store_response is not None and captured is not None and status == "ok":
             stored_response = ctx.store_response(captured)
-        if not ctx.capture:
+        refused = False
+        if ctx.capture:
+            refused = not self._capture(
+                ctx, captured, stitch_keys, stored_response, status, error, latency_s, ttft
+            )
+        else:
             self.sink.opt_out()
-            return
-        if not ctx.episode_resolved and stitch_keys:
-            if len(self._provisional) >= max(self.stitch.size, 1):
-                self._provisional.clear()  # records that never reach the database must not pile up
-            self._provisional[ctx.call_id] = stitch_keys
+        if self.metrics is not None:
+            self.metrics.call(
+                ctx.request.model,
+                ctx.route.engine_model,
+                "error" if refused else status,
+                bool(ctx.request.stream),
+                latency_s,
+                ttft,
+                int(usage.get("prompt_tokens") or 0) if usage is not None else 0,
+                int(usage.get("completion_tokens") or 0) if usage is not None else 0,
+            )
+        if refused:
+            raise CaptureUnavailable()
+
+    def _capture(
+        self,
+        ctx: CallContext,
+        captured: Captured | None,
+        stitch_keys: list[str],
+        stored_response: ResponseRecord | None,
+        status: str,
+        error: APIError | None,
+        latency_s: float,
+        ttft: float | None,
+    ) -> bool:
+        """Submit the call's record to the capture sink; False when the call must be refused instead."""
         request = ctx.request
         params = {k: v for k, v in ctx.body.items() if k not in _STORED_PARAMS}
         record = CallRecord(
@@ -568,9 +588,15 @@ class ChatService:
         redactor = self.router.redactor(ctx.route.policy)
         if redactor is not None:  # before the capture log: nothing unredacted reaches the disk
             record = redact_call(record, redactor)
-        self.sink.submit(record)
+        if not self.sink.submit(record):
+            return False
+        if not ctx.episode_resolved and stitch_keys:
+            if len(self._provisional) >= max(self.stitch.size, 1):
+                self._provisional.clear()  # records that never reach the database must not pile up
+            self._provisional[ctx.call_id] = stitch_keys
         if self.tracer is not None:  # built on the loop's next turn: the answer does not wait for it
             asyncio.get_running_loop().call_soon(self.tracer.record, record, ctx.trace_parent)
+        return True
 
 
 def check_stored_fields(user: object, group_key: object) -> None:

@@ -22,7 +22,7 @@ from gateway.capture.sink import CaptureSink
 from gateway.chat import ChatService, check_stored_fields, relay_events, stored_user, validation_error
 from gateway.engines.base import Engine, refuse_prompt_logprobs
 from gateway.episodes import ConversationHashes, assign_episode, new_id, valid_id
-from gateway.errors import APIError, InvalidRequest, PermissionDenied
+from gateway.errors import APIError, CaptureUnavailable, InvalidRequest, PermissionDenied
 from gateway.normalize import Captured, TextStreamAssembler, normalize_embeddings, normalize_text_completion
 from gateway.protocol import CompletionRequest, EmbeddingRequest, uniform_items
 from gateway.redaction import redact_call
@@ -138,6 +138,7 @@ class RelayService:
         ctx.echo = bool(request.echo)
         ctx.keep_logprobs = request.logprobs is not None
         ctx.keep_usage = bool(request.stream_options and request.stream_options.include_usage)
+        self._refuse_unrecordable(ctx)
         return ctx
 
     def prepare_embeddings(
@@ -152,7 +153,14 @@ class RelayService:
             )
         ctx = self._context(body, request.model, headers, principal, None, started)
         ctx.capture = ctx.capture and self.capture_embeddings
+        self._refuse_unrecordable(ctx)
         return ctx
+
+    def _refuse_unrecordable(self, ctx: RelayContext) -> None:
+        """Strict capture, and the capture log cannot be written: a call to be captured is refused before the
+        engine."""
+        if ctx.capture and self.sink.refusing:
+            raise CaptureUnavailable()
 
     # ------------------------------------------------------------------ engine calls
     def _engine_body(self, ctx: RelayContext, *, sampled: bool) -> dict[str, Any]:
@@ -294,7 +302,8 @@ class RelayService:
         redactor = self.router.redactor(ctx.route.policy)
         if redactor is not None:
             record = redact_call(record, redactor)
-        self.sink.submit(record)
+        if not self.sink.submit(record):  # strict capture, and the capture log cannot take it
+            raise CaptureUnavailable()
 
 
 def _params(body: dict[str, Any], *stored: str) -> dict[str, Any]:

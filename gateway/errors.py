@@ -90,6 +90,19 @@ class ServiceUnavailable(APIError):
     error_type = "api_error"
 
 
+class CaptureUnavailable(ServiceUnavailable):
+    """With `capture_require_durable`: the call cannot be recorded durably (its capture log cannot be written),
+    so it is refused rather than answered unrecorded."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this gateway cannot record calls durably right now (its capture log cannot be written) and is set to "
+            "refuse calls it cannot record; retry later or on another replica",
+            code="capture_unavailable",
+            retry_after=1.0,
+        )
+
+
 class EngineError(APIError):
     """The engine failed; the client gets a 5xx with the OpenAI shape, never a traceback."""
 

@@ -210,7 +210,9 @@ _CAPTURE_COUNTERS = {
     "recovered": "Captured calls left in the capture log by an earlier process, stored at start-up.",
     "dropped": "Captured calls lost: not logged and not handed to a writer, refused by the database as invalid, "
     "or an unreadable log line.",
-    "log_failures": "Captured calls that could not be appended to the capture log.",
+    "log_failures": "Captured calls that could not be appended to the capture log (held in memory instead).",
+    "refused": "Answered calls refused with 503 because the capture log could not take them "
+    "(KAIZEN_CAPTURE_REQUIRE_DURABLE).",
     "opted_out": "Calls served with X-Kaizen-No-Log: nothing stored.",
     "writer_restarts": "Times the capture writer process exited unexpectedly and was started again.",
 }
@@ -221,6 +223,10 @@ _CAPTURE_GAUGES = {
     "log_bytes": "Size of the capture log on disk.",
     "spool_bytes": "Capture log bytes of the calls held for the database.",
     "database_up": "1 while the capture writer reaches the database, 0 while calls are held in the log.",
+    "durable": "1 while captured calls are appended to the capture log, 0 while it cannot be written (disk full).",
+    "memory_calls": "Answered calls held only in memory (the capture log could not take them), not yet stored: "
+    "lost if the gateway dies.",
+    "memory_bytes": "Bytes of the calls held only in memory (at most KAIZEN_CAPTURE_MEMORY_BYTES).",
 }
 
 

@@ -223,6 +223,19 @@ class Settings(BaseSettings):
         description="At shutdown, longest wait for the capture writer to store every call; what is left stays in "
         "the capture log and is stored at the next start.",
     )
+    capture_memory_bytes: int = Field(
+        64 * 2**20,
+        ge=0,
+        description="While the capture log cannot be written (disk full), answered calls are held in memory for "
+        "the capture writer, up to this many bytes not yet stored; past it they are answered but dropped from "
+        "capture (counted in `dropped`). Calls held in memory are lost if the gateway dies before they are stored.",
+    )
+    capture_require_durable: bool = Field(
+        False,
+        description="Refuse a call with 503 `capture_unavailable` when its record cannot be appended to the "
+        "capture log (disk full), instead of answering it and holding the record in memory only; /readyz then "
+        "answers 503 until the log can be written again.",
+    )
     stitch_cache_size: int = Field(
         100_000, ge=0, description="Recent conversation tails kept in memory for prefix stitching."
     )

@@ -25,8 +25,13 @@ process spends its CPU on serving.
 - **A follow-up whose earlier turn another replica answered:** with `stitch_grace_ms`, the writer holds it back
   until that turn is stored (or the grace period is over), and reports the final episode of every call the gateway
   stitched provisionally, which settles the gateway's stitch cache.
-- **The log cannot be written** (disk full): the call goes to the writer over its stdin instead, in memory only,
-  and `log_failures` counts it.
+- **The log cannot be written** (disk full): by default the call is still answered, and its record goes to the
+  writer over its stdin instead, in memory only (`log_failures` counts it), up to `memory_limit_bytes` not yet
+  stored; past that it is dropped from capture. The log is tried again every second with a probe write, so the
+  sink goes back to it by itself once space returns. While this lasts the loss of durability shows: `state` is
+  `memory` (`/readyz`), the metrics count the calls held in memory, and an error line is logged at its start and
+  every `_OUTAGE_REPORT_S`. With `require_durable`, a call whose record cannot be logged is refused instead
+  (`submit` says so; `refusing` turns new calls away before they reach the engine).
 
 The writer reports its counters after every batch; `snapshot()` (`GET /admin/capture`) merges them with this
 side's. Every loss is counted in `dropped` and logged.
@@ -74,6 +79,13 @@ _EXIT_GRACE_S = 5.0
 _START_TIMEOUT_S = 60.0
 # The spool file of earlier versions, which held calls while the database was down: stored like a leftover.
 _LEGACY_SPOOL = "calls.jsonl"
+# While the log cannot be written: how often it is tried again, with a write of how many bytes to a scratch file
+# beside it (a few blocks, so that a disk with room for a byte but not for a call does not count as writable),
+# and how often the error line is repeated.
+_LOG_RETRY_S = 1.0
+_PROBE_BYTES = 64 * 2**10
+_PROBE_FILE = ".probe"
+_OUTAGE_REPORT_S = 30.0
 
 
 @dataclass
@@ -85,6 +97,7 @@ class CaptureStats:
     log_failures: int = 0  # could not be appended to the log (not durable until written)
     opted_out: int = 0  # served with `X-Kaizen-No-Log: true`, nothing stored
     writer_restarts: int = 0  # the writer process exited unexpectedly and was started again
+    refused: int = 0  # answered calls refused because the log could not take them (`require_durable`)
 
 
 class WriteAheadLog:
@@ -137,6 +150,17 @@ class WriteAheadLog:
         self._dirty = True
         if self._size >= self.segment_bytes:
             self.rotate()
+
+    def probe(self) -> None:
+        """Whether the log's file system takes writes again: write `_PROBE_BYTES` to a scratch file beside the
+        segments (the writer reads only segments) and delete it. Raises OSError when it cannot."""
+        path = self.directory / _PROBE_FILE
+        try:
+            with path.open("wb", buffering=0) as probe:
+                if probe.write(bytes(_PROBE_BYTES)) != _PROBE_BYTES:
+                    raise OSError(errno.ENOSPC, "short write to the capture log's directory")
+        finally:
+            path.unlink(missing_ok=True)
 
     def rotate(self) -> None:
         """Close the active segment and start the next (the writer then takes the closed one as complete)."""
@@ -246,6 +270,8 @@ class CaptureSink:
         drain_timeout_s: float = 30.0,
         recent_size: int = 100_000,
         stitch_grace_ms: float = 0.0,
+        memory_limit_bytes: int = 64 * 2**20,
+        require_durable: bool = False,
     ) -> None:
         self.database_url = database_url
         self.wal = WriteAheadLog(log_dir, segment_bytes, fsync=fsync_ms > 0)
@@ -272,38 +298,152 @@ class CaptureSink:
         self._encoder = msgspec.json.Encoder()
         self._decoder = msgspec.json.Decoder(WriterMessage)
         self._directory: CaptureDirectory | None = None
+        self.memory_limit_bytes = memory_limit_bytes
+        self.require_durable = require_durable
+        # Strict mode while the log cannot be written: new calls are refused before they reach the engine.
+        self.refusing = False
+        self._log_error: str | None = None  # why the log cannot be written, while it cannot
+        self._log_down_at = 0.0  # since when (monotonic)
+        self._next_log_try = 0.0
+        self._reported_at = -_OUTAGE_REPORT_S  # the last outage line (error or dropped call) logged
+        self._outage = CaptureStats()  # what the current (or last) outage cost
+        self._memory_calls = 0  # calls sent to the running writer in memory, and their line bytes
+        self._memory_bytes = 0
 
     # ------------------------------------------------------------------ request path
-    def submit(self, record: CallRecord) -> None:
+    def submit(self, record: CallRecord) -> bool:
         """Make a record durable and leave it to the writer. Never blocks and never raises into the request:
-        call it before the answer's last byte is sent."""
+        call it before the answer's last byte is sent.
+
+        When the log cannot take it, a record is held in memory for the writer (or dropped from capture past
+        `memory_limit_bytes`), and the call is answered all the same; but with `require_durable` an answered
+        call's record (status `ok`) is not kept, and False says that the caller must refuse the call."""
+        if self._log_error is None:
+            try:
+                self.wal.append(record)
+            except OSError as exc:
+                self._log_failed(exc)
+            else:
+                self.recent.remember(record)
+                self.stats.queued += 1
+                self._handed += 1
+                return True
+        if self.require_durable and record.status == "ok":
+            self.stats.refused += 1
+            self._outage.refused += 1
+            return False
         self.recent.remember(record)
         self.stats.queued += 1
-        try:
-            self.wal.append(record)
-        except OSError:
-            self.stats.log_failures += 1
-            if self.stats.log_failures == 1 or self.stats.log_failures % 1000 == 0:
-                log.exception(
-                    "could not append to the capture log (%d calls so far): they go to the writer in memory",
-                    self.stats.log_failures,
-                )
-            self._pipe(record)
-            return
-        self._handed += 1
+        self.stats.log_failures += 1
+        self._outage.log_failures += 1
+        self._hold_in_memory(record)
+        return True
 
-    def _pipe(self, record: CallRecord) -> None:
+    def _hold_in_memory(self, record: CallRecord) -> None:
         process = self._process
         if process is None or process.returncode is not None or process.stdin is None or self._closing:
-            self.stats.dropped += 1
+            self._drop(record, "not in the capture log and no capture writer running")
+            return
+        line = self._encoder.encode(record) + b"\n"
+        if self.memory_bytes + len(line) > self.memory_limit_bytes:
+            self._drop(record, f"the {self.memory_limit_bytes} bytes of calls held in memory are taken")
+            return
+        process.stdin.write(line)  # buffered by the transport; never blocks
+        self._memory_calls += 1
+        self._memory_bytes += len(line)
+        self._handed += 1
+
+    def _drop(self, record: CallRecord, reason: str) -> None:
+        self.stats.dropped += 1
+        self._outage.dropped += 1
+        if time.monotonic() - self._reported_at >= _OUTAGE_REPORT_S:
+            self._reported_at = time.monotonic()
             log.error(
-                "dropped captured call %s: not in the capture log and no writer running (%d dropped so far)",
+                "dropped captured call %s: %s (%d dropped so far; it was answered, and will not be stored)",
                 record.id,
+                reason,
                 self.stats.dropped,
             )
+
+    @property
+    def memory_calls(self) -> int:
+        """Answered calls held only in memory: sent to the writer, not stored yet; lost if the gateway dies."""
+        return self._memory_calls - self.writer.memory_settled
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._memory_bytes - self.writer.memory_settled_bytes
+
+    @property
+    def state(self) -> str:
+        """`log` (durable), `memory` (calls answered but held in memory) or `refusing` (`require_durable`)."""
+        if self._log_error is None:
+            return "log"
+        return "refusing" if self.require_durable else "memory"
+
+    # ------------------------------------------------------------------ the log failing and coming back
+    def _log_failed(self, exc: OSError) -> None:
+        now = time.monotonic()
+        self._log_error = str(exc)
+        self._log_down_at = now
+        self._next_log_try = now + _LOG_RETRY_S
+        self.refusing = self.require_durable
+        self._outage = CaptureStats()
+        if now - self._reported_at < _OUTAGE_REPORT_S:
+            return  # it came back and failed again within the interval: the next report covers it
+        self._reported_at = now
+        if self.require_durable:
+            log.error(
+                "the capture log cannot be written (%s): calls are refused with 503 capture_unavailable "
+                "until it can (capture_require_durable); trying it again every %g s",
+                exc,
+                _LOG_RETRY_S,
+            )
+        else:
+            log.error(
+                "the capture log cannot be written (%s): answered calls are held in memory for the capture "
+                "writer (up to %d bytes, then dropped from capture) and are lost if the gateway dies before "
+                "they are stored; trying the log again every %g s",
+                exc,
+                self.memory_limit_bytes,
+                _LOG_RETRY_S,
+            )
+
+    def _retry_log(self) -> None:
+        """While the log cannot be written: try it again (a probe write), report the outage every
+        `_OUTAGE_REPORT_S`, and go back to the log once it takes writes."""
+        now = time.monotonic()
+        if now < self._next_log_try:
             return
-        process.stdin.write(self._encoder.encode(record) + b"\n")  # buffered by the transport; never blocks
-        self._handed += 1
+        self._next_log_try = now + _LOG_RETRY_S
+        try:
+            self.wal.probe()
+        except OSError as exc:
+            self._log_error = str(exc)
+            if now - self._reported_at >= _OUTAGE_REPORT_S:
+                self._reported_at = now
+                log.error(
+                    "the capture log still cannot be written (%s), for %.0f s now: %d calls held in memory "
+                    "(%d bytes), %d dropped and %d refused since it started",
+                    exc,
+                    now - self._log_down_at,
+                    self.memory_calls,
+                    self.memory_bytes,
+                    self._outage.dropped,
+                    self._outage.refused,
+                )
+            return
+        log.info(
+            "the capture log can be written again after %.0f s: calls are durable again (%d went to the capture "
+            "writer in memory meanwhile, %d still held there; %d dropped, %d refused)",
+            now - self._log_down_at,
+            self._outage.log_failures,
+            self.memory_calls,
+            self._outage.dropped,
+            self._outage.refused,
+        )
+        self._log_error = None
+        self.refusing = False
 
     @property
     def closing(self) -> bool:
@@ -359,10 +499,21 @@ class CaptureSink:
             await process.wait()
         if self._listener is not None:
             await self._listener
-        left = self._handed - self.writer.settled
+        lost = self._lose_memory("at shutdown: the capture writer did not store them in time")
+        left = self._handed - self.writer.settled - lost
         if left > 0:
             log.warning("%d captured calls stay in the capture log for the next start", left)
         self._release_directory()
+
+    def _lose_memory(self, when: str) -> int:
+        """The writer is gone: the calls it held only in memory are lost. Counts and logs them."""
+        lost = self.memory_calls
+        self._memory_calls, self._memory_bytes = self.writer.memory_settled, self.writer.memory_settled_bytes
+        if lost > 0:
+            self.stats.dropped += lost
+            self._outage.dropped += lost
+            log.error("%d captured calls held only in memory were lost %s", lost, when)
+        return lost
 
     @property
     def database_up(self) -> bool:
@@ -397,6 +548,7 @@ class CaptureSink:
             log_level=logging.getLogger("gateway.capture.writer").getEffectiveLevel(),
         )
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
+        self._memory_calls = self._memory_bytes = 0
         self.writer = WriterStatus()
         self._writer_up = asyncio.Event()
         process = await asyncio.create_subprocess_exec(
@@ -450,20 +602,30 @@ class CaptureSink:
             await self._listener
             self.stats.writer_restarts += 1
             log.error("the capture writer exited with status %s; restarting it in %g s", status, self.retry_s)
+            self._lose_memory("with the capture writer that exited")
             for name in ("written", "spooled", "replayed", "recovered", "dropped"):
                 setattr(self._earlier, name, getattr(self._earlier, name) + getattr(self.writer, name))
             self.writer = WriterStatus()
             await asyncio.sleep(self.retry_s)
-            self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
+            try:
+                self.wal.rotate()  # what the old writer had not stored is now a leftover for the new one
+            except (
+                OSError
+            ) as exc:  # the next segment cannot be created (a full disk): the next append retries
+                if self._log_error is None:
+                    self._log_failed(exc)
             await self._spawn(self.wal.segment)
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
+            if self._log_error is not None:
+                self._retry_log()
             try:
                 await self.wal.tick()
             except OSError:
-                log.exception("could not rotate or fsync the capture log")
+                if self._log_error is None:  # otherwise reported as the log's outage
+                    log.exception("could not rotate or fsync the capture log")
 
     # ------------------------------------------------------------------ progress
     @property
@@ -492,6 +654,7 @@ class CaptureSink:
             "recovered": earlier.recovered + writer.recovered,
             "dropped": self.stats.dropped + earlier.dropped + writer.dropped,
             "log_failures": self.stats.log_failures,
+            "refused": self.stats.refused,
             "opted_out": self.stats.opted_out,
             "writer_restarts": self.stats.writer_restarts,
             "queue_depth": max(0, self._handed - writer.settled - writer.held - writer.writing),
@@ -501,4 +664,7 @@ class CaptureSink:
             "directory": str(self.wal.directory.parent),
             "spool_bytes": writer.spool_bytes,
             "database_up": writer.database_up,
+            "durable": self._log_error is None,
+            "memory_calls": self.memory_calls,
+            "memory_bytes": self.memory_bytes,
         }

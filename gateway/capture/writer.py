@@ -104,6 +104,10 @@ class WriterStatus(msgspec.Struct, tag="status"):
         0  # follow-ups waiting for their earlier turn, stored by another replica (`stitch_grace_ms`)
     )
     database_up: bool = True
+    # The calls sent in memory (the log could not take them) that are stored or dropped, and their line bytes:
+    # the serving process holds the rest of what it sent as calls only in memory.
+    memory_settled: int = 0
+    memory_settled_bytes: int = 0
 
 
 class WriterLog(msgspec.Struct, tag="log"):
@@ -312,6 +316,7 @@ class CaptureWriter:
                 record = self._decoder.decode(line)
             except msgspec.DecodeError as exc:
                 self._count_dropped(live=True)
+                self._settle_memory(len(line))
                 log.error("dropped an unreadable call sent in memory: %s", exc)
                 continue
             entry = _Entry(record, None, len(line), live=True, held=False)
@@ -466,6 +471,8 @@ class CaptureWriter:
         for entry in batch:
             if entry.held:
                 self._unhold(entry.live, entry.size)
+            if entry.start is None:
+                self._settle_memory(entry.size)
             self.status.settled += entry.live
         if self.status.database_up:
             waiting = (
@@ -559,6 +566,10 @@ class CaptureWriter:
         self._pending.extend(self._piped_held)
         self._piped_held.clear()
         self._send()
+
+    def _settle_memory(self, size: int) -> None:
+        self.status.memory_settled += 1
+        self.status.memory_settled_bytes += size
 
     def _count_dropped(self, *, live: bool) -> None:
         self.status.dropped += 1

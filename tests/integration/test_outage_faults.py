@@ -294,6 +294,7 @@ def test_engine_down_answers_503_without_its_address(make_gateway: MakeGateway, 
         "database": True,
         "keys": True,
         "policies": True,
+        "capture": "log",
     }
 
 

@@ -6,8 +6,11 @@ written, and a writer that dies or a log that cannot be written loses nothing.""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import logging
+import os
+import signal
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -387,3 +390,138 @@ def test_the_writer_runs_the_code_its_gateway_was_imported_from() -> None:
 
     root = Path(PACKAGE_ROOT)
     assert (root / "gateway" / "capture" / "writer.py").is_file()
+
+
+def fill_disk(sink: CaptureSink) -> None:
+    """The capture log's file system refuses writes: the log's appends and the sink's probe writes fail as on a
+    full disk. (tests/integration/test_capture_disk_full.py has the kernel refuse them, under a real gateway.)"""
+
+    def refuse(*_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    sink.wal.append = refuse  # type: ignore[method-assign]
+    sink.wal.probe = refuse  # type: ignore[method-assign]
+    sink.wal.rotate = refuse  # type: ignore[method-assign]
+
+
+def free_disk(sink: CaptureSink) -> None:
+    for name in ("append", "probe", "rotate"):
+        vars(sink.wal).pop(name)
+
+
+def line_bytes(call: CallRecord) -> int:
+    return len(msgspec.json.encode(call)) + 1
+
+
+def test_calls_held_in_memory_are_capped_reported_and_stored_once_the_log_is_back(
+    tmp_path: Path, database_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gateway.capture.sink._OUTAGE_REPORT_S", 0.0)  # report on every retry, not every 30 s
+    calls = [record(n) for n in range(8)]
+    sizes = [line_bytes(call) for call in calls]
+    limit = sum(sizes[:5]) + min(sizes) - 1  # room for the first five, not for a sixth
+
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0, memory_limit_bytes=limit)
+        await sink.start()
+        await sink.flush()
+        assert sink._process is not None
+        writer = sink._process.pid
+        os.kill(writer, signal.SIGSTOP)  # what it is sent stays in memory until it goes on
+        fill_disk(sink)
+        try:
+            assert all(sink.submit(call) for call in calls)  # answered, all of them
+            counters = sink.snapshot()
+            assert (sink.state, counters["durable"], counters["log_failures"]) == ("memory", False, 8)
+            assert (counters["memory_calls"], counters["memory_bytes"]) == (5, sum(sizes[:5]))
+            assert (counters["dropped"], counters["queued"]) == (3, 8)
+
+            async def reported() -> bool:
+                return any("still cannot be written" in r.getMessage() for r in caplog.records)
+
+            await wait_until_async(reported, "the error line repeated while it lasts")
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        await sink.flush()
+        assert (sink.memory_calls, sink.memory_bytes) == (0, 0)
+        free_disk(sink)
+
+        async def back() -> bool:
+            return sink.state == "log"
+
+        await wait_until_async(back, "the sink to go back to the log")
+        assert sink.submit(record(8))
+        assert sink.snapshot()["log_failures"] == 8
+        await sink.stop()
+
+    with caplog.at_level(logging.INFO, logger="gateway.capture.sink"):
+        asyncio.run(run())
+    assert stored_ids(database_path) == [f"call-{n}" for n in (0, 1, 2, 3, 4, 8)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("the capture log cannot be written" in m for m in messages) == 1
+    assert sum("can be written again" in m and "3 dropped" in m for m in messages) == 1
+
+
+def test_calls_held_only_in_memory_are_counted_lost_when_the_writer_dies(
+    tmp_path: Path, database_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0, retry_s=0.05)
+        await sink.start()
+        await sink.flush()
+        assert sink._process is not None
+        writer = sink._process
+        os.kill(writer.pid, signal.SIGSTOP)
+        fill_disk(sink)
+        for n in range(3):
+            sink.submit(record(n))
+        assert sink.memory_calls == 3
+        writer.kill()
+
+        async def restarted() -> bool:  # also when the log cannot start the new writer's segment
+            return sink._process is not writer and sink.writer.ready
+
+        await wait_until_async(restarted, "the writer restarted")
+        assert sink.snapshot()["writer_restarts"] == 1
+        counters = sink.snapshot()
+        assert (counters["dropped"], counters["memory_calls"], counters["memory_bytes"]) == (3, 0, 0)
+        free_disk(sink)
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == []
+    assert any("3 captured calls held only in memory were lost" in r.getMessage() for r in caplog.records)
+
+
+def test_strict_capture_refuses_answered_calls_the_log_cannot_take(
+    tmp_path: Path, database_path: Path
+) -> None:
+    async def run() -> None:
+        sink = make_sink(tmp_path, database_path, flush_ms=1.0, require_durable=True)
+        await sink.start()
+        assert sink.submit(record(0)) and not sink.refusing
+        fill_disk(sink)
+        assert not sink.submit(record(1))  # answered: the caller refuses it, nothing is kept
+        assert sink.refusing and sink.state == "refusing"
+        failed = msgspec.structs.replace(record(2), status="error")
+        assert sink.submit(failed)  # not answered anyway: kept in memory, as without strict mode
+        counters = sink.snapshot()
+        assert (counters["refused"], counters["log_failures"], counters["queued"]) == (1, 1, 2)
+        free_disk(sink)
+
+        async def back() -> bool:
+            return not sink.refusing and sink.state == "log"
+
+        await wait_until_async(back, "the sink to take calls again")
+        assert sink.submit(record(3))
+        await sink.stop()
+
+    asyncio.run(run())
+    assert stored_ids(database_path) == ["call-0", "call-2", "call-3"]
+
+
+def test_the_probe_leaves_nothing_beside_the_segments(tmp_path: Path) -> None:
+    wal = WriteAheadLog(tmp_path / "log", segment_bytes=1 << 20)
+    wal.open()
+    wal.probe()
+    assert sorted(p.name for p in wal.directory.iterdir()) == [segment_path(wal.directory, 0).name]

@@ -20,9 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from storage.adapter_store import publish_version
 from storage.database import Database
 from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
-from storage.policies import PolicyInfo, adapter_dir, add_adapter, get_adapter, get_policy, next_version
+from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy
 from storage.training import (
     episode_calls,
     fail_abandoned_runs,
@@ -48,6 +49,8 @@ from trainer.learner.grouping import (
 from trainer.learner.tracking import Tracker, open_tracker
 
 if TYPE_CHECKING:  # torch is imported by the training phase only, never by the job's callers
+    from sqlalchemy.ext.asyncio import AsyncSession
+
     from trainer.control.launch import Ranks
     from trainer.learner.batch import TokenizedSample
     from trainer.learner.distributed import Followers
@@ -365,11 +368,7 @@ async def _train(
         logger.warning("run %d wrote no adapter: %s", run_id, error)
         return TrainOutcome(run_id, "failed", None, None, metrics, error)
 
-    async with db.session() as session:
-        version = await next_version(session, policy.id)
-    target = adapter_dir(request.data_dir, policy.name, version)
-    await asyncio.to_thread(save_adapter, peft_model(model), target, state)
-    async with db.session() as session:
+    async def record(session: AsyncSession, version: int, target: Path) -> None:
         await add_adapter(
             session,
             policy.id,
@@ -382,7 +381,11 @@ async def _train(
         await finish_run(
             session, run_id, status="succeeded", metrics=metrics, to_version=version, config_update=window
         )
-        await session.commit()
+
+    trained = peft_model(model)
+    version, target = await publish_version(
+        db, policy, request.data_dir, lambda target: save_adapter(trained, target, state), record
+    )
     logger.info(
         "run %d wrote %s@%d to %s (%d groups, %d samples, %d demonstrations, %.0f tokens/s, %.1f s)",
         run_id,

@@ -11,9 +11,6 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any
 
 import torch
 
+from storage.adapter_store import write_directory
 from trainer.control.policy_config import TrainConfig
 from trainer.control.rollouts import SampledTurn, hermes_message
 
@@ -131,19 +129,11 @@ def _keep_lora_inputs_in_bf16(model: Any) -> None:
 
 
 def save_adapter(model: Any, target: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Write the adapter to a temporary sibling and rename it into place, so no half-written version is visible.
+    """Write the adapter to `target` complete or not at all (`storage.adapter_store`): no half-written version
+    is ever visible, also when the disk fills up.
 
     `state_dict`: the trainable weights gathered from every training process, for a sharded model."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        raise FileExistsError(f"adapter directory {target} already exists")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(str(tmp), state_dict=state_dict)
-        tmp.chmod(0o755)
-        os.rename(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_directory(target, lambda partial: model.save_pretrained(str(partial), state_dict=state_dict))
 
 
 @dataclass(frozen=True)
