@@ -1,7 +1,7 @@
 """Creating policies: a database row plus version 0, an initialised LoRA with zero effect, so the loop can start.
 
 Used by `kaizen policy create` and `POST /admin/policies`. The configuration is validated whole before anything
-is written. Building version 0 loads the base model with torch: a child process does it
+is written, the addresses its URLs reach included (`check_policy_urls`). Building version 0 loads the base model with torch: a child process does it
 (`trainer.learner.initial_adapter`), so the serving process never holds torch or the base model's weights.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ from trainer.control.model_jobs import (
     module_command,
     run_model_job,
 )
-from trainer.control.policy_config import TrainConfig, load_policy_config
+from trainer.control.outbound import RESOLVE_TIMEOUT_S, address_problem
+from trainer.control.policy_config import ConfigProblem, InvalidPolicyConfig, TrainConfig, load_policy_config
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,47 @@ INITIAL_ADAPTER_COMMAND: tuple[str, ...] = module_command("trainer.learner.initi
 
 class BaseModelUnavailable(ValueError):
     """The base model named for a new policy could not be loaded: a client's mistake, answered with a 400."""
+
+
+async def check_policy_urls(
+    config: Mapping[str, Any] | None, *, private_networks: bool, signed: bool
+) -> list[str]:
+    """Check the URLs a new policy's configuration sends trajectories to (its scoring webhook, its judge's
+    `api_base`) before anything is written; `private_networks`: KAIZEN_OUTBOUND_PRIVATE_NETWORKS, `signed`:
+    whether KAIZEN_FEEDBACK_SECRET is set.
+
+    Raises `InvalidPolicyConfig` for a bad configuration, and for a URL whose host resolves to a non-global
+    address without the opt-in. Returns the warnings, each logged: a webhook called unsigned, a name that does not
+    resolve now (the scorer resolves it again at every call and refuses it then if it must)."""
+    rewards = load_policy_config(config).rewards
+    problems: list[ConfigProblem] = []
+    warnings: list[str] = []
+    urls = (
+        ("rewards.scorer.webhook_url", rewards.scorer.webhook_url),
+        ("rewards.judge.api_base", rewards.judge.api_base),
+    )
+    for path, url in urls:
+        if url is None or private_networks:
+            continue
+        try:
+            problem = await asyncio.wait_for(address_problem(url), RESOLVE_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            warnings.append(
+                f"{path}: {url} does not resolve now ({exc or 'timed out'}); it is checked at every call"
+            )
+            continue
+        if problem is not None:
+            problems.append(ConfigProblem(path, problem))
+    if problems:
+        raise InvalidPolicyConfig(problems)
+    if rewards.scorer.kind == "webhook" and not signed:
+        warnings.append(
+            "rewards.scorer.webhook_url: KAIZEN_FEEDBACK_SECRET is not set, so trajectories are posted to the "
+            "webhook unsigned and it cannot tell Kaizen's requests from anyone else's"
+        )
+    for warning in warnings:
+        log.warning("policy configuration: %s", warning)
+    return warnings
 
 
 async def build_initial_adapter(base_path: str, target: Path, train_config: TrainConfig) -> None:

@@ -19,6 +19,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from trainer.control.outbound import url_problem
 from trainer.control.ruler import JudgeSettings
 
 #: Serving processes one `kaizen serve` may run (`workers`).
@@ -292,7 +293,9 @@ class Settings(BaseSettings):
         "model name served at `KAIZEN_JUDGE_API_BASE`.",
     )
     judge_api_base: str = Field(
-        "", description="OpenAI-compatible base URL (ending in /v1) of the judge, e.g. this gateway's own."
+        "",
+        description="OpenAI-compatible base URL (ending in /v1) of the judge, e.g. this gateway's own; http or "
+        "https. The operator's own: it may be a loopback or private address without KAIZEN_OUTBOUND_PRIVATE_NETWORKS.",
     )
     judge_api_key: str = Field("", description="API key for the judge model.")
     judge_temperature: float = Field(
@@ -376,6 +379,13 @@ class Settings(BaseSettings):
         "",
         description="HMAC key of the `hash` redaction mode (policy `privacy`); empty: one is generated once "
         "into `<data_dir>/redaction.key`.",
+    )
+    outbound_private_networks: bool = Field(
+        False,
+        description="Let the URLs a policy's configuration names (`rewards.scorer.webhook_url`, "
+        "`rewards.judge.api_base`) reach loopback, private (RFC 1918, ULA), link-local (169.254.169.254) and "
+        "other non-global addresses; off: such a URL is refused when the policy is created and at every call "
+        "(its name is resolved each time). KAIZEN_JUDGE_API_BASE is the operator's own and never refused.",
     )
 
     # --- observability: Prometheus metrics and OpenTelemetry traces
@@ -510,6 +520,14 @@ class Settings(BaseSettings):
             return [key.strip() if isinstance(key, str) else key for key in value if not _blank(key)]
         return value
 
+    @field_validator("judge_api_base")
+    @classmethod
+    def _judge_url(cls, value: str) -> str:
+        problem = url_problem(value) if value else None
+        if problem is not None:
+            raise ValueError(f"KAIZEN_JUDGE_API_BASE {problem}")
+        return value
+
     @model_validator(mode="after")
     def _derive_database_url(self) -> Settings:
         if not self.database_url:
@@ -539,6 +557,7 @@ class Settings(BaseSettings):
             timeout_s=self.judge_timeout_s,
             max_retries=self.judge_max_retries,
             concurrency=self.judge_concurrency,
+            private_networks=self.outbound_private_networks,
         )
 
     @property

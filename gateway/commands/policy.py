@@ -45,7 +45,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def create_command(args: argparse.Namespace) -> int:
-    from gateway.policies import create_policy_with_initial_adapter
+    from gateway.policies import check_policy_urls, create_policy_with_initial_adapter
     from migrations.runner import open_database
 
     settings = load_settings(args)
@@ -53,6 +53,9 @@ def create_command(args: argparse.Namespace) -> int:
     config = json.loads(args.policy_config.read_text()) if args.policy_config else None
 
     async def run() -> None:
+        await check_policy_urls(  # its warnings are logged
+            config, private_networks=settings.outbound_private_networks, signed=bool(settings.feedback_secret)
+        )
         async with open_database(settings.database_url) as database:
             policy = await create_policy_with_initial_adapter(
                 database,

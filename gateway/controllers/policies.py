@@ -15,7 +15,7 @@ from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
 from gateway.controllers.params import PolicyName
 from gateway.errors import InvalidRequest, invalid_policy_config
-from gateway.policies import BaseModelUnavailable, create_policy_with_initial_adapter
+from gateway.policies import BaseModelUnavailable, check_policy_urls, create_policy_with_initial_adapter
 from gateway.settings import Settings
 from storage.database import Database
 from storage.policies import PolicyExists, list_adapters, list_policies
@@ -42,6 +42,12 @@ class PolicyView(msgspec.Struct):
     active_version: int | None
     config: dict[str, Any]
     versions: list[AdapterView]
+
+
+class CreatedPolicy(PolicyView):
+    """A new policy, with what the admin should know about its configuration (an unsigned webhook, say)."""
+
+    warnings: list[str] = msgspec.field(default_factory=list)
 
 
 async def policy_views(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
@@ -76,15 +82,22 @@ class PoliciesController(Controller):
         database: NamedDependency[Database],
         session: NamedDependency[AsyncSession],
         settings: NamedDependency[Settings],
-    ) -> PolicyView:
+    ) -> CreatedPolicy:
         """Create a policy; version 0 (a zero-effect LoRA) is built and made active.
 
-        The whole `config` is validated first: a 400 names every unknown key and bad value, nothing is written.
+        The whole `config` is validated first: a 400 names every unknown key and bad value (a webhook or judge
+        URL that is not http(s), or reaches a private address without the operator's opt-in), nothing is written.
+        `warnings` says what was accepted but deserves a look.
         """
         refuse_too_deep({"config": data.config}, param="config")
         # Built in sessions of its own (the CLI shares it); a concurrent create of the same name loses on the
         # unique key and is answered 409 by the app.
         try:
+            warnings = await check_policy_urls(
+                data.config,
+                private_networks=settings.outbound_private_networks,
+                signed=bool(settings.feedback_secret),
+            )
             await create_policy_with_initial_adapter(
                 database,
                 settings.data_dir,
@@ -102,4 +115,4 @@ class PoliciesController(Controller):
         except ValueError as exc:  # a name that cannot be a directory of the adapter store
             raise InvalidRequest(str(exc), param="name", code="invalid_value") from exc
         [view] = await policy_views(session, data.name)
-        return view
+        return CreatedPolicy(**msgspec.structs.asdict(view), warnings=warnings)

@@ -327,6 +327,8 @@ def test_scoring_webhook_is_signed_and_retried(
     gw.flush()
     judge.webhook_script.append(503)
     monkeypatch.setenv("KAIZEN_FEEDBACK_SECRET", "s3cret")
+    # The scripted webhook listens on loopback, which a policy's URL may reach only by the operator's opt-in.
+    monkeypatch.setenv("KAIZEN_OUTBOUND_PRIVATE_NETWORKS", "true")
     args = ["judge", "--policy", "scripted-1", "--database-url", url]
     assert main(args) == 0
     assert len(judge.webhook_calls) == 2  # the 503 was retried

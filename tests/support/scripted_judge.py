@@ -6,6 +6,9 @@ prompt 0.9 if it contains "good", else 0.1, and fails with 500 when the prompt c
 
 `POST /score` is a scoring webhook: it records the raw body and headers and answers from `webhook_script`
 (an int is an HTTP status), else `{"score": 0.7, "explanation": "webhook"}`.
+
+With `redirect_to` set, both routes record the request and answer `307` to that URL instead (a redirect that
+keeps the method and the body).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class ScriptedJudge:
         self.script: deque[str | int] = deque()
         self.webhook_calls: list[tuple[bytes, dict[str, str]]] = []
         self.webhook_script: deque[int] = deque()
+        self.redirect_to: str | None = None
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -58,6 +62,8 @@ class ScriptedJudge:
         body = await request.json()
         self.requests.append(body)
         self.headers.append(dict(request.headers))
+        if self.redirect_to is not None:
+            raise web.HTTPTemporaryRedirect(self.redirect_to)
         prompt = body["messages"][-1]["content"]
         reply: str | int = self.script.popleft() if self.script else default_answer(prompt)
         if "FAILJUDGE" in prompt:
@@ -81,6 +87,8 @@ class ScriptedJudge:
 
     async def _score(self, request: web.Request) -> web.Response:
         self.webhook_calls.append((await request.read(), dict(request.headers)))
+        if self.redirect_to is not None:
+            raise web.HTTPTemporaryRedirect(self.redirect_to)
         if self.webhook_script:
             return web.json_response({"error": "scripted"}, status=self.webhook_script.popleft())
         return web.json_response({"score": 0.7, "explanation": "webhook"})

@@ -84,7 +84,7 @@ def test_policy_reward_config() -> None:
     assert configured.scorer.kind == "webhook" and configured.judge.rubric == "R"
     assert (
         load_policy_config(
-            {"rewards": {"scorer": {"function": "m:f", "webhook_url": "u"}}}
+            {"rewards": {"scorer": {"function": "m:f", "webhook_url": "https://scorer.example/s"}}}
         ).rewards.scorer.kind
         == "function"
     )

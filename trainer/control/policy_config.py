@@ -9,8 +9,8 @@ raising `InvalidPolicyConfig`.
 It is part of the trainer's control plane because it configures what the trainer does (rewards, GRPO,
 scheduler, gate); the gateway imports it to validate what admins write and to turn feedback into numbers.
 Storage keeps the raw JSON and never needs the type. The serving process imports this module, so it stays free
-of torch and polars: it depends only on pydantic, the standard library and the torch-free health signals
-(`trainer.control.collapse`); the loss and advantage defaults are defined here for the learner to import.
+of torch and polars: it depends only on pydantic, the standard library, the torch-free health signals
+(`trainer.control.collapse`) and the URL checks of `trainer.control.outbound` (httpx); the loss and advantage defaults are defined here for the learner to import.
 
 The training defaults are chosen for small LoRA updates on off-policy production data, and for not shipping a
 collapsed adapter: measured on the embedded 135M model, GRPO on format rewards reached 0.8 reward within
@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.control.collapse import CollapseBounds
+from trainer.control.outbound import url_problem
 
 # --- loss defaults (used by `trainer.learner.loss` as its own defaults)
 
@@ -101,6 +102,17 @@ def _valid_cron(value: str | None) -> str | None:
     return value
 
 
+def _outbound_url(value: str | None) -> str | None:
+    """A URL Kaizen sends trajectories to: http(s) with a host; empty means unset. Which addresses it may
+    reach is checked where the policy is created and at every call (`trainer.control.outbound`)."""
+    if not value:
+        return None
+    problem = url_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 class FeedbackConfig(_Section):
     """How a feedback value becomes a number, and which numbers are accepted."""
 
@@ -150,6 +162,8 @@ class ScorerConfig(_Section):
         2, description="RULER compares trajectories: smaller groups wait for more attempts."
     )
 
+    _url = field_validator("webhook_url")(_outbound_url)
+
     @property
     def kind(self) -> Literal["function", "webhook", "judge"]:
         if self.function:
@@ -164,7 +178,11 @@ class JudgeConfig(_Section):
 
     rubric: str = Field(DEFAULT_RUBRIC, description="What RULER rewards (a default rubric ships).")
     model: str | None = Field(None, description="Judge model; default `KAIZEN_JUDGE_MODEL`.")
-    api_base: str | None = Field(None, description="Judge endpoint; default `KAIZEN_JUDGE_API_BASE`.")
+    api_base: str | None = Field(
+        None, description="OpenAI-compatible judge endpoint (ending in /v1); default `KAIZEN_JUDGE_API_BASE`."
+    )
+
+    _url = field_validator("api_base")(_outbound_url)
 
 
 class RewardConfig(_Section):

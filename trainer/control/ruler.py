@@ -25,6 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from trainer.control.outbound import policy_client
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -61,6 +63,12 @@ class JudgeSettings:
     max_tokens: int | None = None  # cap on the judge's answer (small local judges may ramble)
     # Sent as `seed` where the provider takes one; each retry adds 1 (the same seed would draw the same answer).
     seed: int | None = None
+    # `api_base` is a policy's own (`rewards.judge.api_base`), not the operator's: it is called as an
+    # OpenAI-compatible server through Kaizen's pinned client (`trainer.control.outbound`), not litellm's.
+    policy_api_base: bool = False
+    # URLs a policy names (its judge's, its scoring webhook's) may reach loopback, private and link-local
+    # addresses (`KAIZEN_OUTBOUND_PRIVATE_NETWORKS`).
+    private_networks: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,25 +267,56 @@ def offset_seed(seed: int | None, offset: int) -> int | None:
     return None if seed is None else (seed + offset) % SEED_SPACE
 
 
+def policy_judge(settings: JudgeSettings) -> tuple[str, Any]:
+    """litellm's model string and client for a judge at the URL a policy names: an OpenAI-compatible server
+    (what `api_base` means), reached through Kaizen's pinned client, since litellm's own would look the name up
+    again and follow redirects. A leading `openai/` or `hosted_vllm/` names the provider, not the model."""
+    from openai import AsyncOpenAI  # litellm's dependency, imported with it by now
+
+    name = settings.model
+    for provider in ("openai/", "hosted_vllm/"):
+        name = name.removeprefix(provider)
+    client = AsyncOpenAI(
+        base_url=settings.api_base,
+        api_key=settings.api_key or "unused",
+        max_retries=0,
+        timeout=settings.timeout_s,
+        # openai accepts an httpx client as well as its own httpx2 one; its annotation names only the latter.
+        http_client=policy_client(  # type: ignore[arg-type]
+            private_networks=settings.private_networks, timeout=settings.timeout_s
+        ),
+    )
+    return f"openai/{name}", client
+
+
 async def litellm_complete(
     messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
 ) -> Completion:
     litellm = await import_litellm()
     seed = settings.seed if settings.seed is not None and takes_seed(litellm, settings) else None
+    model = litellm_model(settings, litellm.provider_list)
+    client: Any = None
+    if settings.policy_api_base and settings.api_base:
+        model, client = policy_judge(settings)
     started = time.perf_counter()
-    response = await litellm.acompletion(
-        model=litellm_model(settings, litellm.provider_list),
-        messages=messages,
-        api_base=settings.api_base or None,
-        api_key=settings.api_key or ("unused" if settings.api_base else None),
-        temperature=settings.temperature,
-        timeout=settings.timeout_s,
-        response_format=fmt,
-        max_tokens=settings.max_tokens,
-        seed=seed,
-        extra_headers=NO_LOG_HEADERS,
-        num_retries=0,  # retries (with the malformed-answer ones) are ours
-    )
+    try:
+        response = await litellm.acompletion(
+            model=model,
+            messages=messages,
+            api_base=settings.api_base or None,
+            api_key=settings.api_key or ("unused" if settings.api_base else None),
+            temperature=settings.temperature,
+            timeout=settings.timeout_s,
+            response_format=fmt,
+            max_tokens=settings.max_tokens,
+            seed=seed,
+            extra_headers=NO_LOG_HEADERS,
+            num_retries=0,  # retries (with the malformed-answer ones) are ours
+            **({} if client is None else {"client": client}),
+        )
+    finally:
+        if client is not None:
+            await client.close()
     text = response.choices[0].message.content or ""
     cost = (getattr(response, "_hidden_params", None) or {}).get("response_cost")
     latency_ms = (time.perf_counter() - started) * 1000

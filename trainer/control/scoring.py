@@ -10,6 +10,9 @@ through `storage` itself, so nothing here posts rewards back over HTTP. Its requ
 webhook's signature format (`X-Kaizen-Signature: t=<unix s>,v1=<hex HMAC-SHA256 of "<t>.<body>">`) so that a
 user verifies both with one routine. Verifying signatures is the gateway's job (`gateway/signing.py`); the
 trainer must not import the gateway, so `webhook_signature` below is the few lines the trainer needs to sign.
+
+The webhook and a judge whose `api_base` the policy names are reached only at global addresses unless the operator
+opts in (`trainer.control.outbound`): checked before each group is scored, and again where the request connects.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import hmac
 import importlib
 import inspect
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +33,11 @@ import httpx
 import msgspec
 
 from storage.episodes import EpisodeTranscript
+from trainer.control.outbound import OutboundRefused, address_problem, policy_client
 from trainer.control.policy_config import RewardConfig
 from trainer.control.ruler import Complete, JudgeSettings, judge_group, litellm_complete
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-Kaizen-Signature"
 
@@ -103,9 +110,11 @@ class Scorer:
             judge,
             model=config.judge.model or judge.model,
             api_base=config.judge.api_base or judge.api_base,
+            policy_api_base=bool(config.judge.api_base),
         )
         self.webhook_secret = webhook_secret
         self.complete = complete
+        self._warned_unsigned = False
 
     @property
     def source(self) -> str:
@@ -130,9 +139,24 @@ class Scorer:
             return GroupScore(self.kind, name, None, None, f"{type(exc).__name__}: {exc}"[:2000])
         return GroupScore(self.kind, name, None, scores, latency_ms=(time.perf_counter() - started) * 1000)
 
+    async def _refused(self, url: str) -> str | None:
+        """Why a URL the policy names may not be called now (checked before a group is sent; the pinned client
+        checks the address it connects to again), or None. A name that does not resolve is left to the call."""
+        if self.judge.private_networks:
+            return None
+        try:
+            return await address_problem(url)
+        except OSError:
+            return None
+
     async def _ruler(self, trajectories: Sequence[EpisodeTranscript]) -> GroupScore:
         if not self.judge.model:
             return GroupScore("judge", "ruler", None, None, "no judge model: set KAIZEN_JUDGE_MODEL")
+        if self.judge.policy_api_base and self.judge.api_base:
+            refused = await self._refused(self.judge.api_base)
+            if refused is not None:
+                log.warning("judge of the policy not called: %s", refused)
+                return GroupScore("judge", "ruler", self.judge.model, None, f"judge not called: {refused}")
         outcome = await judge_group(
             [t.messages for t in trajectories],
             [t.episode_id for t in trajectories],
@@ -170,8 +194,19 @@ class Scorer:
     async def _webhook(self, trajectories: Sequence[EpisodeTranscript]) -> list[Score]:
         scorer = self.config.scorer
         url = scorer.webhook_url or ""
+        refused = await self._refused(url)
+        if refused is not None:
+            raise OutboundRefused(refused)
+        if not self.webhook_secret and not self._warned_unsigned:
+            self._warned_unsigned = True
+            log.warning(
+                "scoring webhook %s is called unsigned: set KAIZEN_FEEDBACK_SECRET so it can tell Kaizen's "
+                "requests from anyone else's",
+                url,
+            )
         scores = []
-        async with httpx.AsyncClient(timeout=scorer.webhook_timeout_s) as client:
+        client = policy_client(private_networks=self.judge.private_networks, timeout=scorer.webhook_timeout_s)
+        async with client:
             for trajectory in trajectories:
                 body = msgspec.json.encode({"trajectory": trajectory.as_dict()})
                 answer = await self._post(client, url, body, scorer.webhook_retries)
