@@ -47,9 +47,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from gateway.auth import KeyRing
 from gateway.capture.sink import CaptureSink
 from gateway.engines.base import Engine
-from gateway.exposure import is_loopback
 from gateway.routing import ModelRouter
 from gateway.settings import Settings
 from storage.database import Database
@@ -452,8 +452,6 @@ class GatewayMetrics:
         self.router = router
         self.sink = sink
         self.key = settings.metrics_key
-        # With no key of its own, /metrics is open exactly when only this host can reach the gateway.
-        self.open = not settings.metrics_key and is_loopback(settings.host)
         self.db_interval_s = settings.metrics_db_interval_s
         self.registry = CollectorRegistry(auto_describe=True)
         self.calls = CallMetrics(self.registry)
@@ -466,6 +464,11 @@ class GatewayMetrics:
         self.store_ok = False
         self._store_read_at = -float("inf")
         self._store_lock = asyncio.Lock()
+
+    def open_with(self, keys: KeyRing) -> bool:
+        """Whether /metrics answers without a key: only on a gateway with no key of any kind (no client key, no
+        admin key, no metrics key), whose /v1 is just as open; any key closes it, whatever the bind address."""
+        return not self.key and keys.open and not keys.admin_enabled
 
     def has_key(self, authorization: str | None) -> bool:
         """Whether this Authorization header carries the metrics key (`KAIZEN_METRICS_KEY`)."""

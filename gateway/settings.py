@@ -396,8 +396,8 @@ class Settings(BaseSettings):
     )
     metrics_key: str = Field(
         "",
-        description="Bearer token a scraper sends to /metrics (an admin key works too). Empty: /metrics is "
-        "open when KAIZEN_HOST is a loopback address and needs an admin key otherwise.",
+        description="Bearer token a scraper sends to /metrics (an admin key works too). /metrics answers without "
+        "a key only on a gateway with no key of any kind (client, admin or metrics key), whose /v1 is open too.",
     )
     metrics_db_interval_s: float = Field(
         30.0,

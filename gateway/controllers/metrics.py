@@ -22,9 +22,9 @@ class MetricsController(Controller):
         metrics: NamedDependency[GatewayMetrics],
         keys: NamedDependency[KeyRing],
     ) -> Response[bytes]:
-        """The exposition Prometheus scrapes: open on a loopback gateway, else the metrics key or an admin key
-        (a wrong one counts as a failed login, like a wrong admin key on /admin)."""
-        if not metrics.open:
+        """The exposition Prometheus scrapes: the metrics key or an admin key (a wrong one counts as a failed
+        login, like a wrong admin key on /admin); open only on a gateway with no key at all."""
+        if not metrics.open_with(keys):
             authorization = request.headers.get("authorization")
             throttle: LoginThrottle = request.app.state.login_throttle
             address = client_address(request)

@@ -133,8 +133,7 @@ def test_guesses_at_the_admin_key_on_admin_routes_count_as_failed_logins(
     # throttle, or a short admin key could be guessed at full speed beside a throttled login form.
     gw = make_gateway(
         f"sqlite:///{tmp_path / 'guess.db'}",
-        admin_key=ADMIN,
-        host="0.0.0.0",  # /metrics wants a key off loopback
+        admin_key=ADMIN,  # a key exists: /metrics wants one, on loopback too
         dashboard_login_failures=3,
         dashboard_login_window_s=2.0,
     )

@@ -130,7 +130,7 @@ def test_a_scrape_reports_calls_capture_feedback_and_database_figures(
     assert feedback.status_code == 200, feedback.text
     asyncio.run(_seed_database_figures(database_url))
 
-    samples = scrape(gw)  # loopback gateway, no metrics key: open
+    samples = scrape(gw, {"authorization": f"Bearer {ADMIN}"})  # keys configured: a key, even on loopback
     # Calls, counted on the request path.
     assert value(samples, "kaizen_requests_total", model="scripted-1", served="scripted-1", status="ok") == 5
     assert value(samples, "kaizen_requests_total", status="error") == 1
@@ -191,6 +191,40 @@ def test_only_the_metrics_key_or_an_admin_key_may_scrape_a_public_gateway(
     assert value(scrape(other, {"authorization": f"Bearer {ADMIN}"}), "kaizen_engine_up") == 1
 
 
+def test_on_loopback_too_any_configured_key_closes_metrics(make_gateway: MakeGateway, tmp_path: Path) -> None:
+    # A TLS proxy on the gateway's own host makes a loopback bind public: the bind address decides nothing.
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    for keys in (
+        {"api_keys": [CLIENT]},
+        {"admin_key": ADMIN},
+        {"metrics_key": "scrape-me"},
+        {"api_keys": [CLIENT], "admin_key": ADMIN, "metrics_key": "scrape-me"},
+    ):
+        gw = make_gateway(url, host="127.0.0.1", **keys)
+        for headers in ({}, {"authorization": f"Bearer {CLIENT}"}, {"authorization": "Bearer wrong"}):
+            refused = httpx.get(gw.url + "/metrics", headers=headers)
+            assert refused.status_code == 401, (keys, headers, refused.text)
+            validate("ErrorResponse", refused.json())
+            assert refused.json()["error"]["code"] == "invalid_metrics_key"
+        if "admin_key" in keys:
+            assert value(scrape(gw, {"authorization": f"Bearer {ADMIN}"}), "kaizen_engine_up") == 1
+        if "metrics_key" in keys:
+            assert value(scrape(gw, {"authorization": "Bearer scrape-me"}), "kaizen_engine_up") == 1
+
+
+def test_a_gateway_without_any_key_serves_metrics_as_openly_as_v1(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    # Development (`make run`): no client, admin or metrics key. /v1 answers anyone who reaches it, and so does
+    # /metrics; the loopback-host check against DNS rebinding applies to both.
+    gw = make_gateway(f"sqlite:///{tmp_path / 'k.db'}")
+    chat = {"model": "scripted-1", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(gw.url + "/v1/chat/completions", json=chat).status_code == 200
+    assert value(scrape(gw), "kaizen_requests_total", status="ok") == 1
+    rebound = httpx.get(gw.url + "/metrics", headers={"host": "attacker.example"})
+    assert rebound.status_code == 403 and rebound.json()["error"]["code"] == "host_not_allowed"
+
+
 def test_metrics_off_serves_no_route_and_counts_nothing(make_gateway: MakeGateway, tmp_path: Path) -> None:
     gw = make_gateway(f"sqlite:///{tmp_path / 'off.db'}", metrics=False)
     reply = httpx.post(
@@ -233,7 +267,8 @@ def test_every_metric_the_dashboard_queries_is_exposed(make_gateway: MakeGateway
     reply = query(url, "SELECT id FROM calls LIMIT 1")[0]["id"]
     httpx.post(gw.url + "/v1/feedback", json={"request_id": reply, "value": 1.0})
     asyncio.run(_seed_database_figures(url))
-    response = httpx.get(gw.url + "/metrics")
+    response = httpx.get(gw.url + "/metrics", headers={"authorization": f"Bearer {ADMIN}"})
+    assert response.status_code == 200, response.text
     families = list(text_string_to_metric_families(response.text))
     # A family with nothing to report yet (no call in flight) is still described.
     exposed = {f.name for f in families} | {s.name for f in families for s in f.samples}
@@ -269,7 +304,7 @@ def test_every_route_counts_its_answers_by_template_method_and_status(
         httpx.get(gw.url + "/dashboard/episodes/ep-1").status_code,
     ]
     assert answers == [200, 404, 429, 200, 415, 200, 401, 303]
-    samples = scrape(gw)
+    samples = scrape(gw, {"authorization": f"Bearer {ADMIN}"})
 
     def answered(route: str, method: str, status: int) -> float:
         return value(samples, "kaizen_http_requests_total", route=route, method=method, status=str(status))

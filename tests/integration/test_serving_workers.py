@@ -58,7 +58,11 @@ def family_tree(gateway: GatewayProcess) -> list[psutil.Process]:
 
 def requests_by_worker(gateway: GatewayProcess) -> Counter[str]:
     """`kaizen_requests_total` from one scrape, summed per `worker` label."""
-    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    scraped = httpx.get(
+        gateway.url + "/metrics", headers={"authorization": f"Bearer {gateway.admin_key}"}, timeout=10
+    )
+    assert scraped.status_code == 200, scraped.text
+    text = scraped.text
     counts: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
