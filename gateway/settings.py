@@ -387,6 +387,19 @@ class Settings(BaseSettings):
         "other non-global addresses; off: such a URL is refused when the policy is created and at every call "
         "(its name is resolved each time). KAIZEN_JUDGE_API_BASE is the operator's own and never refused.",
     )
+    request_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest time from a request's first byte to the end of its head (a head sent a byte at a "
+        "time does not extend it); a client still sending it then gets 408 and the connection is closed. A new "
+        "connection that sends nothing for as long is closed without an answer.",
+    )
+    request_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest pause between two reads of a request's body (not its whole duration: a large body "
+        "sent steadily is not cut off); a client silent for longer gets 408 and the connection is closed.",
+    )
 
     # --- observability: Prometheus metrics and OpenTelemetry traces
     metrics: bool = Field(

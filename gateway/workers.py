@@ -274,7 +274,7 @@ def run_worker(config: WorkerConfig) -> None:
 
     from gateway.app import build_services, create_app
     from gateway.commands.options import configure_logging
-    from gateway.http_protocol import OpenAIHttpToolsProtocol
+    from gateway.http_protocol import http_protocol
     from gateway.metrics import MetricsPeers
 
     settings = Settings.model_validate(config.settings)
@@ -290,7 +290,7 @@ def run_worker(config: WorkerConfig) -> None:
         uvicorn.Config(
             app,
             loop="uvloop",
-            http=OpenAIHttpToolsProtocol,
+            http=http_protocol(settings),
             log_level=settings.log_level,
             access_log=False,
             timeout_graceful_shutdown=30,

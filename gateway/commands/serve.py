@@ -44,7 +44,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from gateway.app import build_services, create_app
     from gateway.exposure import open_exposure
-    from gateway.http_protocol import OpenAIHttpToolsProtocol
+    from gateway.http_protocol import http_protocol
     from migrations.runner import upgrade_database
 
     settings = load_settings(args)
@@ -69,7 +69,7 @@ def serve_command(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http=OpenAIHttpToolsProtocol,
+        http=http_protocol(settings),
         log_level=settings.log_level,
         access_log=False,
         timeout_graceful_shutdown=30,

@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 
 from gateway.app import Services, build_services, create_app
-from gateway.http_protocol import OpenAIHttpToolsProtocol
+from gateway.http_protocol import http_protocol
 from gateway.settings import Settings
 from migrations.runner import upgrade_database
 from tests.support.ports import free_port
@@ -28,12 +28,13 @@ class GatewayServer:
         settings: Settings,
         services: Services | None = None,
         startup_timeout_s: float = 30,
-        http: type[asyncio.Protocol] = OpenAIHttpToolsProtocol,
+        http: type[asyncio.Protocol] | None = None,
     ) -> None:
         self.startup_timeout_s = startup_timeout_s
-        self.http = http  # uvicorn's HTTP protocol class (its parser)
         self.port = settings.port or free_port()
         self.settings = settings.model_copy(update={"port": self.port})
+        # uvicorn's HTTP protocol class (its parser): by default the one `kaizen serve` runs, with its timeouts.
+        self.http = http or http_protocol(self.settings)
         self.services = services or build_services(self.settings)
         self.app = create_app(self.services)
         self.loop: asyncio.AbstractEventLoop | None = None
