@@ -53,10 +53,12 @@ def create_command(args: argparse.Namespace) -> int:
     config = json.loads(args.policy_config.read_text()) if args.policy_config else None
 
     async def run() -> None:
-        await check_policy_urls(  # its warnings are logged
-            config, private_networks=settings.outbound_private_networks, signed=bool(settings.feedback_secret)
-        )
         async with open_database(settings.database_url) as database:
+            await check_policy_urls(  # its warnings are logged
+                config,
+                private_networks=settings.outbound_private_networks,
+                signed=bool(settings.feedback_secret),
+            )
             policy = await create_policy_with_initial_adapter(
                 database,
                 settings.data_dir,
