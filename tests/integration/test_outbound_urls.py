@@ -24,6 +24,7 @@ from trainer.control.outbound import Address, OutboundRefused, PinnedTransport, 
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scoring import GroupScore, Scorer
+from trainer.control.training_job import TrainingJob, decode_job
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = {"authorization": "Bearer adm"}
@@ -89,6 +90,17 @@ def test_the_judge_setting_must_be_http_when_the_settings_load() -> None:
         Settings.load(judge_api_base="http://127.0.0.1:8000/v1").judge().api_base
         == "http://127.0.0.1:8000/v1"
     )
+
+
+def test_the_opt_in_reaches_every_scorer_with_the_judge_settings() -> None:
+    # The judge job, the gate and the training child all build their scorer from `Settings.judge()`; the child
+    # gets it in its job line.
+    assert Settings.load().judge().private_networks is False
+    judge = Settings.load(outbound_private_networks=True).judge()
+    job = TrainingJob(
+        policy="p", database_url="sqlite+aiosqlite://", data_dir="d", base_model="b", judge=judge
+    )
+    assert decode_job(job.encode()).judge.private_networks is True
 
 
 @pytest.mark.parametrize(
