@@ -76,8 +76,11 @@ async def readiness(gateway: GatewayProcess) -> tuple[int, dict[str, Any]]:
 
 async def capture_metrics(gateway: GatewayProcess) -> dict[str, float]:
     """The capture samples of a scrape, and refusals by code (`rejected:<code>`)."""
+    admin = {"authorization": f"Bearer {gateway.admin_key}"}  # the gateway has keys: /metrics wants one
     async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(gateway.url + "/metrics")).text
+        scraped = await http.get(gateway.url + "/metrics", headers=admin)
+    assert scraped.status_code == 200, scraped.text
+    text = scraped.text
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
