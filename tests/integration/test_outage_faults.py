@@ -125,6 +125,7 @@ def stopped(server: PostgresServer) -> Iterator[None]:
         server.wait_ready()
 
 
+@pytest.mark.slow
 def test_postgres_stopped_and_restarted_under_load(
     make_gateway: MakeGateway, postgres: PostgresServer
 ) -> None:
@@ -346,6 +347,7 @@ def test_a_gateway_that_could_not_read_its_keys_refuses_calls_until_it_has(
                     "database": False,
                     "keys": False,
                     "policies": False,
+                    "capture": "log",
                 }
             wait_until(lambda: httpx.get(gw.url + "/readyz").status_code == 200, "the keys to be read", 60)
             refused = httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30)
