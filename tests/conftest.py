@@ -51,7 +51,7 @@ def postgres() -> Iterator[PostgresServer]:
     server.destroy()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_twin)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty database of each supported kind."""
     if request.param == "sqlite":

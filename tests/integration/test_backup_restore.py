@@ -61,7 +61,9 @@ class Place:
         return await fetch_rows(self.database_url, sql, **params)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.postgres_twin])]
+)
 def places(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Place, Place]:
     """The source installation and an empty target, of one database kind."""
     if request.param == "sqlite":
@@ -261,6 +263,7 @@ async def check_restored(
         restored.stop()
 
 
+@pytest.mark.slow
 def test_a_backup_taken_while_serving_restores_every_call_once(
     places: tuple[Place, Place], engines: tuple[ScriptedUpstream, ScriptedUpstream], tmp_path: Path
 ) -> None:
@@ -336,6 +339,7 @@ async def _count_is(place: Place, count: int) -> bool:
     return len(await stored_ids(place)) == count
 
 
+@pytest.mark.slow
 def test_a_backup_under_load_holds_every_call_answered_before_it(
     places: tuple[Place, Place], engines: tuple[ScriptedUpstream, ScriptedUpstream], tmp_path: Path
 ) -> None:

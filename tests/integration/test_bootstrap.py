@@ -59,6 +59,7 @@ def make_policy(url: str, name: str, config: dict[str, Any]) -> None:
     asyncio.run(create())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [None, 100])
 def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_episodes(
     make_gateway: Callable[..., GatewayServer], database_url: str, seed: int | None
@@ -115,6 +116,7 @@ def test_bootstrap_writes_attempts_and_scores_scenarios_stored_as_bootstrap_epis
     assert [(r["source"], r["value"]) for r in rewards] == [("function", 0.0)] * 6
 
 
+@pytest.mark.slow
 def test_bootstrap_refuses_what_it_cannot_do(
     make_gateway: Callable[..., GatewayServer], tmp_path: Path
 ) -> None:
@@ -154,6 +156,7 @@ def test_auto_mode_uses_grpo_with_signal_and_a_warm_start_when_rewards_are_spars
     assert choose_mode("sft", [[0, 0]], 0.8) == "sft"
 
 
+@pytest.mark.slow
 def test_bootstrap_from_an_mcp_servers_tools_attempts_whole_agent_episodes(
     make_gateway: Callable[..., GatewayServer], tmp_path: Path
 ) -> None:

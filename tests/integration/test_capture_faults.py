@@ -163,6 +163,7 @@ async def crash_midway(load: Load) -> None:
     load.up.set()
 
 
+@pytest.mark.slow
 def test_sigkill_under_load_loses_and_duplicates_nothing(gateway: GatewayProcess, database_url: str) -> None:
     async def scenario() -> tuple[Load, bool, list[dict[str, Any]], list[dict[str, Any]]]:
         await start(gateway)
@@ -230,6 +231,7 @@ def is_openai_error(response: httpx.Response) -> bool:
     return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
 
 
+@pytest.mark.slow
 def test_sigterm_with_calls_in_flight_stores_every_answered_call(
     gateway: GatewayProcess, database_url: str
 ) -> None:

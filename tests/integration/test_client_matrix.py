@@ -38,7 +38,7 @@ def node_clients() -> Path:
     return NODE_DIR
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_twin)])
 def scripted(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, upstream: ScriptedUpstream
 ) -> Iterator[tuple[Target, GatewayServer]]:

@@ -31,6 +31,9 @@ from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_upstream import ScriptedUpstream
 
+# Chromium through every page, twice: `make test-fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = "adm-browser"
 CLIENT = "sk-browser"

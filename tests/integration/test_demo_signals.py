@@ -22,6 +22,9 @@ from tests.support.proc_stats import child_pids, running
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.stopping import default_sigint
 
+# A demo with its own gateway, stopped by a signal, three times: `make test-fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -128,6 +128,7 @@ def test_calls_spread_and_a_promotion_reaches_every_replica(
     assert all("bot@1" in loaded(r) for r in replicas)
 
 
+@pytest.mark.slow
 def test_a_replica_killed_under_load_loses_no_call(
     make_gateway: MakeGateway, database_url: str, replicas: list[UpstreamProcess], tmp_path: Path
 ) -> None:

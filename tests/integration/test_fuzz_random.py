@@ -29,6 +29,7 @@ REQUESTS = 2000
 SEED = 20261128
 
 
+@pytest.mark.slow
 def test_random_requests_get_no_5xx_and_every_4xx_in_openai_shape(
     make_gateway: Callable[..., GatewayServer], database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

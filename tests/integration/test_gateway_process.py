@@ -11,6 +11,9 @@ import pytest
 from gateway.commands.serve_process import GatewayProcess
 from tests.support.scripted_upstream import ScriptedUpstream
 
+# A `kaizen serve` child started and stopped: `make test-fast` leaves it out.
+pytestmark = pytest.mark.slow
+
 
 def test_child_gateway_starts_creates_a_policy_once_and_stops(
     tmp_path: Path, upstream: ScriptedUpstream, embedded_model: Path

@@ -44,6 +44,9 @@ from trainer.control.policy_config import ScheduleConfig
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
+# Three `kaizen serve` processes, one of them killed: `make test-fast` leaves this module out.
+pytestmark = pytest.mark.slow
+
 REPLICAS = 3
 REFRESH_S = 1.0
 TURNS = 5

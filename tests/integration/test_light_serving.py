@@ -165,6 +165,7 @@ def _run_model_job(
     return seen, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_policy_is_created_without_torch_in_the_serving_process(
     tmp_path: Path, upstream: ScriptedUpstream, embedded_model: Path
@@ -178,6 +179,7 @@ def test_a_policy_is_created_without_torch_in_the_serving_process(
     assert seen["after_job"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_embedded_model_is_converted_without_torch_in_the_serving_process(
     tmp_path: Path, upstream: ScriptedUpstream, embedded_model: Path

@@ -34,7 +34,7 @@ from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
 from tests.support.tcp_balancer import Backend, TcpBalancer
 
-pytestmark = [pytest.mark.postgres, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(900)]
 
 CONCURRENCY = 4
 API_KEY = secrets.token_hex(16)

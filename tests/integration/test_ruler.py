@@ -181,6 +181,7 @@ _FIRST_JUDGE_CALL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_first_judge_call_never_stalls_the_event_loop(judge: ScriptedJudge) -> None:
     """litellm's import takes seconds of CPU; made on the serving loop, it would hold every call in flight."""
     done = subprocess.run(

@@ -71,6 +71,7 @@ async def fresh_database(url: str) -> Database:
     return Database(url)
 
 
+@pytest.mark.slow
 def test_two_processes_racing_for_one_policy_run_it_once(
     database_url: str, tmp_path: Path, embedded_model: Path
 ) -> None:

@@ -121,6 +121,7 @@ def test_serve_applies_online_safe_migrations_and_refuses_to_start_on_an_offline
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_a_gateway_older_than_its_database_serves_only_if_every_newer_revision_was_online_safe(
     postgres: PostgresServer, upstream: ScriptedUpstream, tmp_path: Path
 ) -> None:

@@ -98,6 +98,7 @@ async def send(load: Load, kill_after: int) -> None:
             load.kill_now.set()
 
 
+@pytest.mark.slow
 def test_two_workers_share_the_port_and_a_killed_worker_loses_nothing(
     gateway: GatewayProcess, database_url: str
 ) -> None:
@@ -146,6 +147,7 @@ def test_two_workers_share_the_port_and_a_killed_worker_loses_nothing(
     assert not repeated, f"calls stored more than once: {repeated}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_workers_stop_with_a_killed_parent_and_store_what_they_answered(
     gateway: GatewayProcess, database_url: str

@@ -15,6 +15,9 @@ from tests.support.polling import wait_until
 from tests.support.proc_stats import running
 from tests.support.stopping import default_sigint
 
+# torchrun (it imports torch) and its processes, stopped by signals: `make test-fast` leaves this module out.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 #: A training process stand-in: says it started (with its pid), then exits with the status it is given or waits
@@ -22,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = """
 import os, sys, time
 from pathlib import Path
+
 Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
 if len(sys.argv) > 2:
     status = int(sys.argv[2])

@@ -74,6 +74,7 @@ async def setup_policy(
         await database.dispose()
 
 
+@pytest.mark.slow
 def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     tmp_path: Path, embedded_model: Path
 ) -> None:
@@ -131,6 +132,7 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "signum", "sigint_ignored", "error"),
     [
