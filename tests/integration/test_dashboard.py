@@ -394,3 +394,22 @@ def test_the_dashboard_can_be_switched_off(make_gateway: MakeGateway, database_u
     gw = make_gateway(database_url, admin_key=ADMIN, dashboard=False)
     assert httpx.get(gw.url + "/dashboard/login").status_code == 404
     assert httpx.post(gw.url + "/dashboard/login", json={"key": ADMIN}).status_code == 404
+
+
+def test_the_default_window_holds_a_short_burst_of_traffic(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A few minutes of traffic: the overview opens on the hour that holds it (a minute a point), not on a day
+    where it would be a sliver at the right edge; a window picked explicitly stays picked."""
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    for n in range(3):
+        _chat(gw, f"question {n}")
+    gw.flush()
+    browser = login(gw.url, ADMIN)
+    page = browser.get("/dashboard")
+    assert page.status_code == 200
+    assert '<option value="1h" selected>' in page.text
+    assert "per 1 min" in page.text
+    picked = browser.get("/dashboard?window=24h")
+    assert '<option value="24h" selected>' in picked.text
+    assert not re.search(r"\d[eE][+-]?\d", picked.text.split("<svg", 1)[-1])
