@@ -49,6 +49,7 @@ from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollups import refresh_if_stale
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
+from trainer.control.run_logs import run_log_path
 
 T = TypeVar("T")
 PAGE_SIZE = 50
@@ -553,7 +554,7 @@ class DashboardPages(Controller):
             raise NotFound(f"no run {run_id}", code="run_not_found")
         log_tail = None
         if info.kind == "train":
-            log_tail = await asyncio.to_thread(_tail, settings.data_dir / "logs" / f"train-{info.policy}.log")
+            log_tail = await asyncio.to_thread(_tail, run_log_path(settings.data_dir, info.id))
         metrics = info.metrics
         data, gate = metrics.get("data"), metrics.get("gate")
         laid_out = {key for key, kind in _LAID_OUT if isinstance(metrics.get(key), kind)}
@@ -659,7 +660,7 @@ def _pretty(value: Any) -> str:
 
 
 def _tail(path: Path) -> str | None:
-    """The end of a log file (None when there is none yet)."""
+    """The end of a log file (None when there is none)."""
     try:
         with path.open("rb") as handle:
             handle.seek(0, 2)
