@@ -261,6 +261,7 @@ def test_runs_of_unknown_shapes_render_their_metrics_generically(
     for shown in ("resampled.rare_successes", "examples", "sft", "learning_rate per optimizer step"):
         assert shown in page.text, shown
     assert "Loss per optimizer step" in page.text and 'id="gate-decision"' not in page.text
+    assert "learning_rate: 0.00002 at 1" in page.text  # not 2e-05
     other = re.search(r'id="run-other">(.*?)</pre>', page.text, re.S)
     assert other is not None and "bootstrap" in other.group(1)
     assert "skipped" in page.text and "checked" in page.text  # a gate and collapse of another shape
