@@ -22,7 +22,7 @@ from gateway.auth import principal_of
 from gateway.controllers.params import PathName, RowId
 from gateway.dashboard.actions import safe_next
 from gateway.dashboard.charts import Chart, Marker, Series, number_axis, render, time_axis
-from gateway.dashboard.formatting import milliseconds, unit_of
+from gateway.dashboard.formatting import milliseconds, seconds, unit_of
 from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
 from gateway.errors import InvalidRequest, NotFound
 from gateway.settings import Settings
@@ -240,7 +240,7 @@ class DashboardPages(Controller):
                     Series("errors", list(zip(x, [b.errors for b in traffic], strict=True))),
                 ],
                 axis,
-                y_label=f"per {step // 60} min",
+                y_label=f"per {seconds(step)}",
             ),
             Chart(
                 "Latency",
@@ -272,7 +272,7 @@ class DashboardPages(Controller):
                     Series("completion", list(zip(x, [b.completion_tokens for b in traffic], strict=True))),
                 ],
                 axis,
-                y_label=f"per {step // 60} min",
+                y_label=f"per {seconds(step)}",
             ),
         ]
         policies = await list_policies(session)

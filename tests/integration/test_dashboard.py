@@ -18,6 +18,7 @@ from gateway.dashboard.pages import encode_cursor
 from gateway.settings import async_database_url
 from storage.dashboard import EpisodeCursor
 from storage.database import Database
+from storage.jobs import start_job_run
 from storage.policies import get_policy
 from tests.conftest import query
 from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_unusual_run
@@ -474,6 +475,21 @@ def test_a_run_page_shows_that_runs_own_log(make_gateway: MakeGateway, database_
     assert page.status_code == 200 and 'id="run-log"' not in page.text
     assert "No log was kept for this run" in page.text
 
+    async def running() -> int:  # a run whose child the scheduler has not seen yet
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, "bot")
+                assert policy is not None
+                run_id = await start_job_run(session, policy.id, "train", None, {})
+                await session.commit()
+                return run_id
+        finally:
+            await database.dispose()
+
+    page = browser.get(f"/dashboard/runs/{asyncio.run(running())}")
+    assert page.status_code == 200 and "No output yet" in page.text
+
 
 def test_the_default_window_holds_a_short_burst_of_traffic(
     make_gateway: MakeGateway, database_url: str
@@ -490,5 +506,6 @@ def test_the_default_window_holds_a_short_burst_of_traffic(
     assert '<option value="1h" selected>' in page.text
     assert "per 1 min" in page.text
     picked = browser.get("/dashboard?window=24h")
-    assert '<option value="24h" selected>' in picked.text
+    assert '<option value="24h" selected>' in picked.text and "per 15 min" in picked.text
+    assert "per 2 h" in browser.get("/dashboard?window=7d").text
     assert not re.search(r"\d[eE][+-]?\d", picked.text.split("<svg", 1)[-1])
