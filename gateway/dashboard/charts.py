@@ -8,16 +8,24 @@ index (`series-0` ...), so the page's Content-Security-Policy needs no inline st
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from markupsafe import Markup, escape
 
+from gateway.dashboard.formatting import compact, number
+
 WIDTH = 760
 HEIGHT = 240
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 24, 40
 SERIES_CLASSES = 8  # the stylesheet colours series-0 .. series-7
+FIT_SHARE = 0.5
+"""Data that spans less than this share of a time window gets an x axis of its own span, not the window's."""
+FIT_PAD = 0.1
+"""The margin either side of data fitted so, as a share of its span (at least one bucket)."""
+TIME_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
+"""Tick steps of a time axis, in seconds: whole minutes, hours and days, not 1000 s."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class Axis:
     label: Callable[[float], str]
     minimum: float | None = None
     maximum: float | None = None
+    steps: Sequence[float] | None = None  # the tick steps it allows (None: 1, 2, 2.5, 5 times a power of ten)
 
 
 @dataclass
@@ -51,36 +60,43 @@ class Chart:
     y_label: str = ""
     y_min: float | None = None
     y_max: float | None = None
+    y_format: Callable[[float], str] | None = None
+    """How y values read, on the axis and at each point: a unit (`formatting.milliseconds`), or None for
+    counts and scores (compact ticks such as 30k, points in full)."""
 
 
-def time_axis(since: datetime, until: datetime) -> Axis:
-    """Times as HH:MM within two days, else as month-day."""
-    span = (until - since).total_seconds()
-    pattern = "%H:%M" if span <= 2 * 86400 else "%m-%d"
-    return Axis(
-        lambda x: datetime.fromtimestamp(x, UTC).strftime(pattern), since.timestamp(), until.timestamp()
-    )
+def time_axis(since: datetime, until: datetime, present: Iterable[float] = (), step: float = 0) -> Axis:
+    """The window [since, until); or, where the data (`present`: x values, each the start of a `step`-second
+    bucket, and any markers) spans under `FIT_SHARE` of it, that span and a margin, so that an hour of data in
+    a day is the chart, not a sliver at its edge. Times read HH:MM within two days, else month-day."""
+    low, high = since.timestamp(), until.timestamp()
+    xs = list(present)
+    if xs:
+        first, last = min(xs), max(xs) + step
+        if last - first < FIT_SHARE * (high - low):
+            pad = max(step, FIT_PAD * (last - first), 60.0)
+            low, high = max(low, first - pad), min(high, last + pad)
+    pattern = "%H:%M" if high - low <= 2 * 86400 else "%m-%d"
+    return Axis(lambda x: datetime.fromtimestamp(x, UTC).strftime(pattern), low, high, TIME_STEPS)
 
 
 def number_axis() -> Axis:
-    return Axis(lambda x: f"{x:g}")
+    return Axis(number)
 
 
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """Round tick values spanning [low, high]."""
+def _ticks(low: float, high: float, count: int = 5, steps: Sequence[float] | None = None) -> list[float]:
+    """Round tick values spanning [low, high]: multiples of the first of `steps` (else of 1, 2, 2.5 or 5 times
+    a power of ten) that makes at most about `count` of them."""
     if high <= low:
         return [low]
     raw = (high - low) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    if steps is not None and raw <= steps[-1]:
+        step = next(s for s in steps if s >= raw)
+    else:
+        magnitude = 10 ** math.floor(math.log10(raw))
+        step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     first = math.ceil(low / step) * step
     return [first + i * step for i in range(int((high - first) / step) + 1)]
-
-
-def _fmt(value: float) -> str:
-    if value != 0 and (abs(value) >= 10_000 or abs(value) < 0.01):
-        return f"{value:.2g}"
-    return f"{value:.3g}"
 
 
 def render(chart: Chart, *, caption: bool = True) -> Markup:
@@ -97,6 +113,8 @@ def render(chart: Chart, *, caption: bool = True) -> Markup:
     if y_high <= y_low:
         y_high = y_low + 1
     inner_w, inner_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    tick_text = chart.y_format or compact
+    value_text = chart.y_format or number
 
     def px(x: float) -> float:
         return LEFT + (x - x_low) / (x_high - x_low) * inner_w
@@ -113,9 +131,9 @@ def render(chart: Chart, *, caption: bool = True) -> Markup:
         y = py(tick)
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>')
         parts.append(
-            f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(tick)}</text>'
+            f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{escape(tick_text(tick))}</text>'
         )
-    for tick in _ticks(x_low, x_high, 6):
+    for tick in _ticks(x_low, x_high, 6, chart.x_axis.steps):
         x = px(tick)
         parts.append(
             f'<text class="tick" x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">'
@@ -127,6 +145,8 @@ def render(chart: Chart, *, caption: bool = True) -> Markup:
     if chart.y_label:
         parts.append(f'<text class="axis-label" x="4" y="10">{escape(chart.y_label)}</text>')
     for marker in chart.markers:
+        if not x_low <= marker.x <= x_high:  # outside a range fitted to the data
+            continue
         x = px(marker.x)
         parts.append(
             f'<g class="marker marker-{escape(marker.kind)}"><title>{escape(marker.label)}</title>'
@@ -140,7 +160,7 @@ def render(chart: Chart, *, caption: bool = True) -> Markup:
         if len(series.points) > 1:
             parts.append(f'<polyline points="{coords}"/>')
         for x, y in series.points:
-            label = f"{series.name}: {_fmt(y)} at {chart.x_axis.label(x)}"
+            label = f"{series.name}: {value_text(y)} at {chart.x_axis.label(x)}"
             parts.append(
                 f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5"><title>{escape(label)}</title></circle>'
             )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlencode
 
 from litestar import Controller, Request, get
@@ -22,13 +22,16 @@ from gateway.auth import principal_of
 from gateway.controllers.params import PathName, RowId
 from gateway.dashboard.actions import safe_next
 from gateway.dashboard.charts import Chart, Marker, Series, number_axis, render, time_axis
+from gateway.dashboard.formatting import milliseconds, seconds, unit_of
 from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
 from gateway.errors import InvalidRequest, NotFound
 from gateway.settings import Settings
 from storage.audit import list_audit
 from storage.dashboard import (
+    Activity,
     EpisodeCursor,
     EpisodeFilter,
+    JudgeDay,
     VersionEvent,
     activity,
     episode_created_at,
@@ -46,7 +49,9 @@ from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollups import refresh_if_stale
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
+from trainer.control.run_logs import run_log_path
 
+T = TypeVar("T")
 PAGE_SIZE = 50
 LOG_TAIL_BYTES = 64 * 1024
 # window -> (length, bucket): about a hundred points per chart.
@@ -75,8 +80,7 @@ def _context(request: Request[Any, Any, Any], page: str, **values: Any) -> dict[
     }
 
 
-def _window(name: str | None) -> tuple[str, datetime, datetime, int]:
-    key = name or "24h"
+def _window(key: str) -> tuple[str, datetime, datetime, int]:
     if key not in WINDOWS:
         raise InvalidRequest(
             f"window must be one of {', '.join(WINDOWS)}", param="window", code="invalid_value"
@@ -86,6 +90,31 @@ def _window(name: str | None) -> tuple[str, datetime, datetime, int]:
     # Whole buckets, so that the newest point is not a partial one that looks like a drop.
     until = datetime.fromtimestamp((int(now.timestamp()) // step + 1) * step, UTC)
     return key, until - length, until, step
+
+
+async def _window_holding(
+    chosen: str | None,
+    default: str,
+    load: Callable[[datetime, datetime, int], Awaitable[T]],
+    present: Callable[[T], list[float]],
+) -> tuple[str, datetime, datetime, int, T]:
+    """The window `chosen`, or else the shortest one up to `default` that holds all the data the default one
+    has (what `load` returns for a window, whose times `present` lists), and that data: a run of a few minutes
+    gets a point a minute, not two points at the edge of a day."""
+    key, since, until, step = _window(chosen or default)
+    data = await load(since, until, step)
+    times = present(data)
+    if chosen is None and times:
+        oldest = min(times)
+        for name in WINDOWS:  # shortest first
+            if name == key:
+                break
+            shorter = _window(name)
+            if shorter[1].timestamp() <= oldest:
+                key, since, until, step = shorter
+                data = await load(since, until, step)
+                break
+    return key, since, until, step, data
 
 
 def _blank(value: str | None) -> str | None:
@@ -183,12 +212,23 @@ class DashboardPages(Controller):
         policy: Text = None,
     ) -> Template:
         """Traffic, errors, latency and tokens over the window; the live reward of each policy by version."""
-        key, since, until, step = _window(_blank(window))
         chosen = _blank(policy)
-        axis = time_axis(since, until)
         # Without a scheduler nothing else keeps the rollups current; with one, this finds them fresh.
         await refresh_if_stale(database)
-        summed = await activity(session, since, until, step, chosen)
+
+        async def load(since: datetime, until: datetime, step: int) -> tuple[Activity, list[VersionEvent]]:
+            return (
+                await activity(session, since, until, step, chosen),
+                await version_events(session, since, until, chosen),
+            )
+
+        def present(data: tuple[Activity, list[VersionEvent]]) -> list[float]:
+            return [float(key[0]) for key in data[0].sums] + [e.at.timestamp() for e in data[1]]
+
+        key, since, until, step, (summed, events) = await _window_holding(
+            _blank(window), "24h", load, present
+        )
+        axis = time_axis(since, until, present((summed, events)), step)
         traffic = summed.traffic()
         totals = summed.totals()
         x = [b.start.timestamp() for b in traffic]
@@ -200,13 +240,13 @@ class DashboardPages(Controller):
                     Series("errors", list(zip(x, [b.errors for b in traffic], strict=True))),
                 ],
                 axis,
-                y_label=f"per {step // 60} min",
+                y_label=f"per {seconds(step)}",
             ),
             Chart(
                 "Latency",
                 [
                     Series(
-                        "mean ms",
+                        "mean",
                         [
                             (t, b.mean_latency_ms)
                             for t, b in zip(x, traffic, strict=True)
@@ -214,7 +254,7 @@ class DashboardPages(Controller):
                         ],
                     ),
                     Series(
-                        "max ms",
+                        "max",
                         [
                             (t, b.max_latency_ms)
                             for t, b in zip(x, traffic, strict=True)
@@ -223,7 +263,7 @@ class DashboardPages(Controller):
                     ),
                 ],
                 axis,
-                y_label="ms",
+                y_format=milliseconds,
             ),
             Chart(
                 "Tokens",
@@ -232,11 +272,10 @@ class DashboardPages(Controller):
                     Series("completion", list(zip(x, [b.completion_tokens for b in traffic], strict=True))),
                 ],
                 axis,
-                y_label=f"per {step // 60} min",
+                y_label=f"per {seconds(step)}",
             ),
         ]
         policies = await list_policies(session)
-        events = await version_events(session, since, until, chosen)
         reward_charts = []
         for info in policies:
             if chosen is not None and info.name != chosen:
@@ -515,7 +554,7 @@ class DashboardPages(Controller):
             raise NotFound(f"no run {run_id}", code="run_not_found")
         log_tail = None
         if info.kind == "train":
-            log_tail = await asyncio.to_thread(_tail, settings.data_dir / "logs" / f"train-{info.policy}.log")
+            log_tail = await asyncio.to_thread(_tail, run_log_path(settings.data_dir, info.id))
         metrics = info.metrics
         data, gate = metrics.get("data"), metrics.get("gate")
         laid_out = {key for key, kind in _LAID_OUT if isinstance(metrics.get(key), kind)}
@@ -553,12 +592,18 @@ class DashboardPages(Controller):
         before: Text = None,
     ) -> Template:
         """Judged groups: cost, failures and latency over time, and each attempt with its error."""
-        key, since, until, step = _window(_blank(window) or "7d")
         chosen = _blank(policy)
         status_value = _choice(status, "status", ("judged", "failed"))
-        series = await judge_series(session, since, until, step, chosen)
-        axis = time_axis(since, until)
-        x = [d.start.timestamp() for d in series]
+
+        async def load(since: datetime, until: datetime, step: int) -> list[JudgeDay]:
+            return await judge_series(session, since, until, step, chosen)
+
+        def present(days: list[JudgeDay]) -> list[float]:
+            return [d.start.timestamp() for d in days]
+
+        key, since, until, step, series = await _window_holding(_blank(window), "7d", load, present)
+        x = present(series)
+        axis = time_axis(since, until, x, step)
         charts = [
             render(
                 Chart(
@@ -615,7 +660,7 @@ def _pretty(value: Any) -> str:
 
 
 def _tail(path: Path) -> str | None:
-    """The end of a log file (None when there is none yet)."""
+    """The end of a log file (None when there is none)."""
     try:
         with path.open("rb") as handle:
             handle.seek(0, 2)
@@ -732,7 +777,9 @@ def _step_charts(metrics: dict[str, Any]) -> list[Any]:
     keys.sort(key=lambda k: k != "loss")
     for key in keys[:MAX_STEP_CHARTS]:
         title = "Loss per optimizer step" if key == "loss" else f"{key} per optimizer step"
-        charts.append(render(Chart(title, [Series(key, _per_step(rows, key))], number_axis())))
+        charts.append(
+            render(Chart(title, [Series(key, _per_step(rows, key))], number_axis(), y_format=unit_of(key)))
+        )
     collapse = metrics.get("collapse")
     checks = [c for c in collapse if isinstance(c, dict)] if isinstance(collapse, list) else []
     signals = sorted({k for c in checks for k, v in c.items() if k != "step" and _is_number(v)})

@@ -3,7 +3,9 @@ policy actions write. The same flows in a real browser are in test_dashboard_bro
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,12 +15,18 @@ from markupsafe import escape
 from openai import OpenAI
 
 from gateway.dashboard.pages import encode_cursor
+from gateway.settings import async_database_url
 from storage.dashboard import EpisodeCursor
+from storage.database import Database
+from storage.jobs import start_job_run
+from storage.policies import get_policy
 from tests.conftest import query
 from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_unusual_run
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_upstream import REFUSAL
+from trainer.control.ruler import JudgeSettings
+from trainer.control.scheduler import JobRunner, RunnerConfig
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = "adm-dashboard-secret"
@@ -254,6 +262,7 @@ def test_runs_of_unknown_shapes_render_their_metrics_generically(
     for shown in ("resampled.rare_successes", "examples", "sft", "learning_rate per optimizer step"):
         assert shown in page.text, shown
     assert "Loss per optimizer step" in page.text and 'id="gate-decision"' not in page.text
+    assert "learning_rate: 0.00002 at 1" in page.text  # not 2e-05
     other = re.search(r'id="run-other">(.*?)</pre>', page.text, re.S)
     assert other is not None and "bootstrap" in other.group(1)
     assert "skipped" in page.text and "checked" in page.text  # a gate and collapse of another shape
@@ -394,3 +403,109 @@ def test_the_dashboard_can_be_switched_off(make_gateway: MakeGateway, database_u
     gw = make_gateway(database_url, admin_key=ADMIN, dashboard=False)
     assert httpx.get(gw.url + "/dashboard/login").status_code == 404
     assert httpx.post(gw.url + "/dashboard/login", json={"key": ADMIN}).status_code == 404
+
+
+# A training child as the scheduler starts one: a line before it records its run (as the trainer's start-up
+# does), a line per request as an unquieted client would log, its run's lines, and no candidate (exit 3).
+TRAINING_CHILD = """
+import asyncio, sys
+from storage.database import Database
+from storage.jobs import start_job_run
+
+print("starting", sys.argv[3], flush=True)
+if sys.argv[3] == "broken":
+    sys.exit(1)
+
+async def record() -> None:
+    database = Database(sys.argv[1])
+    async with database.session() as session:
+        await start_job_run(session, int(sys.argv[2]), "train", None, {})
+        await session.commit()
+    await database.dispose()
+
+asyncio.run(record())
+for step in range(3):
+    print(f"step {step} of", sys.argv[3], flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_run_page_shows_that_runs_own_log(make_gateway: MakeGateway, database_url: str) -> None:
+    """The runs of a policy share its log file; each run's page shows the lines of that run only (those before
+    the child recorded its run too), and a run from before runs had logs of their own says it has none."""
+    seed_policy_runs(database_url, "bot", versions=2)
+    gw = make_gateway(database_url, admin_key=ADMIN)
+
+    async def train(name: str) -> int:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, "bot")
+            assert policy is not None
+            config = RunnerConfig(
+                data_dir=gw.settings.data_dir,
+                judge=JudgeSettings(model=""),
+                database_url=database.url,
+                train_command=[sys.executable, "-c", TRAINING_CHILD, database.url, str(policy.id), name],
+                gate_url="http://127.0.0.1:9/v1",
+            )
+            info = await JobRunner(database, config).run("bot", "train")
+            assert info is not None and info.status == "failed"
+            return info.id
+        finally:
+            await database.dispose()
+
+    runs = {name: asyncio.run(train(name)) for name in ("first", "second", "broken")}
+    shared = (gw.settings.data_dir / "logs" / "train-bot.log").read_text()
+    assert "step 2 of first" in shared and "step 2 of second" in shared  # the policy's log has them all
+    browser = login(gw.url, ADMIN)
+    for name, run_id in runs.items():
+        page = browser.get(f"/dashboard/runs/{run_id}")
+        assert page.status_code == 200, page.text
+        log = re.search(r'id="run-log">(.*?)</pre>', page.text, re.S)
+        assert log is not None, (name, page.text)
+        assert f"starting {name}" in log.group(1)
+        others = [other for other in runs if other != name]
+        assert not any(
+            f"of {other}" in log.group(1) or f"starting {other}" in log.group(1) for other in others
+        )
+    assert "step 2 of second" in browser.get(f"/dashboard/runs/{runs['second']}").text
+    old = int(query(database_url, "SELECT min(id) AS id FROM training_runs")[0]["id"])
+    page = browser.get(f"/dashboard/runs/{old}")
+    assert page.status_code == 200 and 'id="run-log"' not in page.text
+    assert "No log was kept for this run" in page.text
+
+    async def running() -> int:  # a run whose child the scheduler has not seen yet
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                policy = await get_policy(session, "bot")
+                assert policy is not None
+                run_id = await start_job_run(session, policy.id, "train", None, {})
+                await session.commit()
+                return run_id
+        finally:
+            await database.dispose()
+
+    page = browser.get(f"/dashboard/runs/{asyncio.run(running())}")
+    assert page.status_code == 200 and "No output yet" in page.text
+
+
+def test_the_default_window_holds_a_short_burst_of_traffic(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A few minutes of traffic: the overview opens on the hour that holds it (a minute a point), not on a day
+    where it would be a sliver at the right edge; a window picked explicitly stays picked."""
+    gw = make_gateway(database_url, api_keys=[CLIENT], admin_key=ADMIN)
+    for n in range(3):
+        _chat(gw, f"question {n}")
+    gw.flush()
+    browser = login(gw.url, ADMIN)
+    page = browser.get("/dashboard")
+    assert page.status_code == 200
+    assert '<option value="1h" selected>' in page.text
+    assert "per 1 min" in page.text
+    picked = browser.get("/dashboard?window=24h")
+    assert '<option value="24h" selected>' in picked.text and "per 15 min" in picked.text
+    assert "per 2 h" in browser.get("/dashboard?window=7d").text
+    assert not re.search(r"\d[eE][+-]?\d", picked.text.split("<svg", 1)[-1])

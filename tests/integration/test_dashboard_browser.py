@@ -188,6 +188,8 @@ def _walk_through(
     page.click("nav >> text=Overview")
     expect(page.locator("#totals")).to_contain_text("calls")
     expect(page.locator("#reward-charts svg.chart")).to_have_count(1)
+    # A few minutes of data: the overview opens on the hour that holds it, not on a day.
+    expect(page.locator("select[name=window]")).to_have_value("1h")
     steps.shot("overview")
     page.click("nav >> text=Episodes")
     expect(page.locator("#episode-list tbody tr")).to_have_count(len(episodes))
@@ -208,6 +210,8 @@ def _walk_through(
     expect(page.locator("#run-numbers")).to_contain_text("examples")
     expect(page.locator("#run-data")).to_contain_text("resampled.rare_successes")
     expect(page.locator("svg.chart")).to_have_count(2)  # loss and learning_rate per step
+    expect(page.locator("svg.chart").nth(1)).to_contain_text("learning_rate: 0.00002 at 1")  # not 2e-05
+    expect(page.locator("#run-no-log")).to_contain_text("No log was kept for this run")
     steps.shot("run-of-another-mode")
 
     # Text search for the oldest episode. SQLite reads 2 episodes per request here and says how far it got;

@@ -22,6 +22,7 @@ from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from trainer.control.ruler import JudgeSettings
+from trainer.control.run_logs import run_log_path
 from trainer.control.training_job import BAD_JOB, TrainingJob
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,6 +195,10 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     assert "Traceback" not in stopped.output, stopped.output[-4000:]
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", error)
+    if "worker" in command:  # the run's own log has its lines, those of its start and of its steps
+        [row] = asyncio.run(fetch_rows(url, "SELECT id FROM training_runs WHERE kind = 'train'"))
+        own = run_log_path(data, int(row["id"])).read_text()
+        assert "started" in own and "step 1/" in own, own[-4000:]
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
     assert asyncio.run(fetch_rows(url, "SELECT version FROM adapters")) == []  # no candidate
 

@@ -51,6 +51,7 @@ from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
 from trainer.control.ruler import JudgeSettings
+from trainer.control.run_logs import RunLog
 from trainer.control.scoring import Scorer
 from trainer.control.tools import ToolBox
 from trainer.control.training_job import TrainingJob
@@ -335,20 +336,20 @@ class JobRunner:
     ) -> int:
         async with self.database.session() as session:
             before = await latest_run_id(session, policy.id, "train")
-        log_path = self.config.data_dir / "logs" / f"train-{policy.name}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        await self._engine_sleep(True)
-        try:
-            rc, tail, run_id = await self._run_child(policy, owner, before, announce, log_path, options)
-        finally:
-            await self._engine_sleep(False)
-        error = _exit_error(rc, "".join(tail).strip()[-4000:])
-        if run_id is None:  # it died before recording a run (bad config, missing model, crash at import)
-            run_id = await self._new_run(policy, "train", trigger)
-            announce(run_id)
-            await self._finish(run_id, "failed", error=error, metrics={"exit_code": rc})
-            logger.error("training of %s failed before it started (exit %s)", policy.name, rc)
-            return run_id
+        with RunLog(self.config.data_dir, policy.name) as log:
+            await self._engine_sleep(True)
+            try:
+                rc, tail, run_id = await self._run_child(policy, owner, before, announce, log, options)
+            finally:
+                await self._engine_sleep(False)
+            error = _exit_error(rc, "".join(tail).strip()[-4000:])
+            if run_id is None:  # it died before recording a run (bad config, missing model, crash at import)
+                run_id = await self._new_run(policy, "train", trigger)
+                log.attach(run_id)
+                announce(run_id)
+                await self._finish(run_id, "failed", error=error, metrics={"exit_code": rc})
+                logger.error("training of %s failed before it started (exit %s)", policy.name, rc)
+                return run_id
         async with self.database.session() as session:
             await update_run(session, run_id, config=await self._run_config(run_id, trigger))
             await session.commit()
@@ -372,13 +373,15 @@ class JobRunner:
         owner: str,
         before: int,
         announce: Callable[[int], None],
-        log_path: Path,
+        log: RunLog,
         options: TrainOptions,
     ) -> tuple[int | None, collections.deque[str], int | None]:
         try:
             base_model = await asyncio.to_thread(self.config.base_model_path, policy.base_model)
         except Exception as exc:  # recorded as a run that failed before it started, like a child dying early
-            return None, collections.deque([f"base model {policy.base_model!r}: {exc!r}\n"]), None
+            problem = f"base model {policy.base_model!r}: {exc!r}\n"
+            log.write(problem)
+            return None, collections.deque([problem]), None
         job = self.config.training_job(policy.name, base_model, options, lock_owner=owner)
         argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
@@ -401,12 +404,10 @@ class JobRunner:
 
         async def pump() -> None:
             assert process.stdout is not None
-            with log_path.open("a", encoding="utf-8") as log:
-                async for raw in process.stdout:
-                    line = raw.decode(errors="replace")
-                    log.write(line)
-                    log.flush()
-                    tail.append(line)
+            async for raw in process.stdout:
+                line = raw.decode(errors="replace")
+                log.write(line)
+                tail.append(line)
 
         reader = asyncio.create_task(pump())
         run_id: int | None = None
@@ -418,6 +419,7 @@ class JobRunner:
                 if run_id is None:
                     run_id = await self._child_run(policy.id, before)
                     if run_id is not None:
+                        log.attach(run_id)
                         announce(run_id)
                 if time.monotonic() > deadline and process.returncode is None:
                     await stop_group(process, self.config.stop_grace_s)
@@ -427,6 +429,7 @@ class JobRunner:
                 await stop_group(process, self.config.stop_grace_s)
                 found = run_id or await self._child_run(policy.id, before)
                 if found is not None:
+                    log.attach(found)
                     await self._finish(found, "failed", error="interrupted: the scheduler shut down")
             raise
         finally:
@@ -434,6 +437,8 @@ class JobRunner:
                 await asyncio.wait_for(reader, 10)
         if run_id is None:
             run_id = await self._child_run(policy.id, before)
+            if run_id is not None:
+                log.attach(run_id)
         return process.returncode, tail, run_id
 
     async def _child_run(self, policy_id: int, before: int) -> int | None:

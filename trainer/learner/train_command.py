@@ -70,22 +70,27 @@ async def train_policy(job: TrainingJob, followers: Followers | None = None) -> 
     return outcome
 
 
+def configure_logging(level: str) -> None:
+    """Log to stderr (the scheduler writes it to the run's log) at `level`, without a line per HTTP request:
+    resampling and the gate send thousands, which would bury what the run did."""
+    logging.basicConfig(level=level.upper(), format=_FORMAT, stream=sys.stderr)
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def main() -> int:
     """Read the job (rank 0) and run it; see the module docstring for the exit statuses."""
     ranks = ranks_from_environment()
     if ranks is not None and not ranks.main:
-        logging.basicConfig(level=logging.INFO, format=_FORMAT, stream=sys.stderr)
+        configure_logging("info")
         return _follow()
     try:
         job = decode_job(sys.stdin.buffer.readline())
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        logging.basicConfig(level=logging.INFO, format=_FORMAT, stream=sys.stderr)
+        configure_logging("info")
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
-    logging.basicConfig(level=job.log_level.upper(), format=_FORMAT, stream=sys.stderr)
-    # Resampling and the gate send thousands of requests: a line for each would bury the run's progress.
-    for name in ("httpx", "httpx2"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(job.log_level)
     with SigtermAsCtrlC() as interrupt:
         try:
             return _train(job)
