@@ -30,7 +30,7 @@ from tests.support.postgres import PostgresServer
 from tests.support.scripted_upstream import ScriptedUpstream
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0021"
+HEAD = "0022"
 #: The revisions that need the gateways stopped, on each database.
 OFFLINE = {"sqlite": ["0005"], "postgresql": ["0005", "0015", "0019"]}
 
