@@ -5,6 +5,7 @@ such) keeps calling and training on every project."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -16,7 +17,8 @@ import pytest
 
 from gateway.commands.main import main
 from gateway.policies import InvalidOwner, policy_owner
-from gateway.settings import async_database_url
+from gateway.scheduling import runner_config
+from gateway.settings import Settings, async_database_url
 from migrations.runner import upgrade_database
 from storage.calls import write_calls
 from storage.database import Database
@@ -31,6 +33,7 @@ from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_judge import ScriptedJudge
+from trainer.control.scheduler import TrainOptions
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = {"authorization": "Bearer adm"}
@@ -51,6 +54,18 @@ def test_a_policy_belongs_to_its_creators_project_unless_shared_or_given() -> No
     for bad in ("", "x" * 129, "a\x01b"):
         with pytest.raises(InvalidOwner, match="1-128 characters"):
             policy_owner(bad, False, "shop")
+
+
+def test_the_gate_and_resampling_call_another_owners_policy_with_the_admin_key(tmp_path: Path) -> None:
+    """The environment's keys are the built-in project's: an owned policy of another project refuses them."""
+    config = runner_config(Settings.load(data_dir=tmp_path, api_keys=["sk-env"], admin_key="adm"))
+    assert config.gateway_key(None) == config.gateway_key("default") == "sk-env"
+    assert config.gateway_key("shop") == "adm"
+    options = TrainOptions({}, None, None)
+    assert config.training_job("bot", "base", options, project="shop").engine_api_key == "adm"
+    assert config.training_job("bot", "base", options).engine_api_key == "sk-env"
+    without_admin = runner_config(Settings.load(data_dir=tmp_path, api_keys=["sk-env"]))
+    assert without_admin.gateway_key("shop") == "sk-env"
 
 
 # ------------------------------------------------------------------------------------------ every SQL selector
@@ -164,7 +179,11 @@ def create_key(gw: GatewayServer, name: str, project: str) -> str:
 def call(gw: GatewayServer, secret: str, text: str, model: str = MODEL) -> httpx.Response:
     return httpx.post(
         gw.url + "/v1/chat/completions",
-        json={"model": model, "messages": [{"role": "user", "content": text}], "metadata": {"group_key": "g"}},
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "metadata": {"group_key": "g"},
+        },
         headers=bearer(secret),
         timeout=10,
     )
@@ -318,3 +337,28 @@ def test_the_cli_gives_a_policy_to_a_project_and_shares_it(
     with pytest.raises(SystemExit):  # one of --project and --shared is required
         main(["policy", "owner", "bot", *flags])
     assert query(url, "SELECT actor, action FROM audit") == [{"actor": "cli", "action": "policy.owner"}]
+
+
+def test_an_import_lands_in_the_owners_project(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/import.db"
+
+    async def seed() -> None:
+        await upgrade_database(async_database_url(url))
+        database = Database(async_database_url(url))
+        async with database.session() as session:
+            await create_policy(session, "bot", "base", project="shop")
+            await session.commit()
+        await database.dispose()
+
+    asyncio.run(seed())
+    conversation = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    }
+    path = tmp_path / "conversations.jsonl"
+    path.write_text(json.dumps(conversation) + "\n")
+    flags = ["--database-url", url, "--data-dir", str(tmp_path)]
+    # Another project's episodes would never train it: refused, nothing stored.
+    assert main(["import", str(path), "--policy", "bot", "--project", "ops", *flags]) == 2
+    assert query(url, "SELECT project FROM episodes") == []
+    assert main(["import", str(path), "--policy", "bot", *flags]) == 0
+    assert query(url, "SELECT project FROM episodes") == [{"project": "shop"}]
