@@ -30,6 +30,7 @@ from storage.policies import create_policy, get_policy, set_policy_owner
 from storage.records import CallRecord
 from storage.training import rewarded_episodes, unrewarded_episodes
 from tests.conftest import query
+from tests.integration.test_mcp_endpoint import session_calls
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_judge import ScriptedJudge
@@ -362,3 +363,38 @@ def test_an_import_lands_in_the_owners_project(tmp_path: Path) -> None:
     assert query(url, "SELECT project FROM episodes") == []
     assert main(["import", str(path), "--policy", "bot", *flags]) == 0
     assert query(url, "SELECT project FROM episodes") == [{"project": "shop"}]
+
+
+def test_an_owned_policys_tools_answer_only_its_project_and_admin_keys(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path}/tools.db"
+    gw = make_gateway(url, admin_key="adm", api_keys="sk-env")
+    tools = {"tools": {"functions": ["tests.support.tool_functions:capital"]}}
+
+    async def seed() -> None:
+        database = Database(async_database_url(url))
+        async with database.session() as session:
+            await create_policy(session, "agent", "base", tools, project="shop")
+            await session.commit()
+        await database.dispose()
+
+    asyncio.run(seed())
+    shop = create_key(gw, "shop-app", "shop")
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "capital", "arguments": {"country": "zorland"}},
+    }
+    headers = {"Accept": "application/json, text/event-stream", **bearer("sk-env")}
+    refused = httpx.post(gw.url + "/mcp/agent", json=body, headers=headers, timeout=30)
+    assert (refused.status_code, refused.json()["error"]["code"]) == (404, "policy_not_found")
+    assert refused.json()["error"]["message"] == "no policy named 'agent'"
+
+    call = [("capital", {"country": "zorland"})]
+    for key in (shop, "adm"):
+        names, answers = asyncio.run(session_calls(f"{gw.url}/mcp/agent", key, None, call))
+        assert names == ["capital"] and answers == [("Quix", False)]
+    rows = query(url, "SELECT project FROM tool_calls")
+    assert [r["project"] for r in rows] == ["shop", "shop"]  # the admin key's call is the owner's
