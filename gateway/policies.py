@@ -2,8 +2,10 @@
 
 Used by `kaizen policy create` and `POST /admin/policies`. A policy is owned by one project unless it is created
 `shared` (`policy_owner`): only that project's keys call it, and it trains only on that project's episodes
-(`storage.policies.episodes_of`). The configuration is validated whole before anything is written, the addresses its URLs reach included (`check_policy_urls`). Building version 0 loads the base model with torch: a child process does it
-(`trainer.learner.initial_adapter`), so the serving process never holds torch or the base model's weights.
+(`storage.policies.episodes_of`). The configuration is validated whole before anything is written, the addresses
+its URLs reach included (`check_policy_urls`). Building version 0 loads the base model with torch: a child
+process does it (`trainer.learner.initial_adapter`), so the serving process never holds torch or the base
+model's weights.
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ async def unrewarded_episodes(
     session: AsyncSession, policy: str, *, sources: Sequence[str], since: datetime | None, until: datetime
 ) -> list[EpisodeRow]:
     """Episodes of `policy` (`episodes_of`) from `sources` (`episodes.source`) created in (since, until] that
-    carry no reward at all (no derived reward, no reward row for them or their calls), oldest first; their `reward` is 0."""
+    carry no reward at all (no derived reward, no reward row for them or their calls), oldest first; their
+    `reward` is 0."""
     on_episode = select(Reward.id).where(Reward.episode_id == Episode.id)
     on_call = select(Reward.id).join(Call, Reward.call_id == Call.id).where(Call.episode_id == Episode.id)
     stmt = (
