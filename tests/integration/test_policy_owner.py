@@ -34,7 +34,10 @@ from tests.integration.test_mcp_endpoint import session_calls
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_judge import ScriptedJudge
+from trainer.control.policy_config import load_policy_config
 from trainer.control.scheduler import TrainOptions
+from trainer.learner.dataset import DataReport
+from trainer.learner.job import TrainRequest, _load_trajectories
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = {"authorization": "Bearer adm"}
@@ -202,14 +205,23 @@ def set_owner(gw: GatewayServer, body: dict[str, Any]) -> dict[str, Any]:
     return dict(response.json())
 
 
-def rewarded(url: str) -> set[str]:
+def training_data(url: str, data_dir: Path) -> set[str]:
+    """The episodes a training run of the policy would learn from: what the learner loads as its examples."""
+
     async def run() -> set[str]:
         database = Database(async_database_url(url))
         try:
             async with database.session() as session:
+                policy = await get_policy(session, MODEL)
                 rows = await rewarded_episodes(session, MODEL, since=None, until=datetime.now(UTC))
+            assert policy is not None
+            config = load_policy_config({"gate": {"holdout_fraction": 0}})
+            request = TrainRequest(MODEL, data_dir, "base", since=datetime(2000, 1, 1, tzinfo=UTC))
+            examples, _, _ = await _load_trajectories(database, policy, config, request, DataReport())
         finally:
             await database.dispose()
+        # Every rewarded episode of the selection becomes an example (one call each, tokens captured).
+        assert {e.episode_id for e in examples} == {row.id for row in rows}
         return {row.id for row in rows}
 
     return asyncio.run(run())
@@ -225,6 +237,7 @@ def test_an_owned_policy_refuses_other_projects_and_never_learns_from_them(
     make_gateway: MakeGateway,
     database_url: str,
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     gw = make_gateway(database_url, api_keys=["sk-env"], admin_key="adm", policy_refresh_s=0.2)
     alpha = create_key(gw, "alpha-app", "alpha")
@@ -286,12 +299,12 @@ def test_an_owned_policy_refuses_other_projects_and_never_learns_from_them(
             gw.url + "/v1/feedback", json={"episode_id": episode_id, "value": 1}, headers=bearer(beta)
         )
         assert reward.status_code == 200, reward.text
-    assert rewarded(database_url) == set(alpha_episodes)
+    assert training_data(database_url, tmp_path) == set(alpha_episodes)
 
     # (c) Shared again, stated explicitly: every project calls it and trains it.
     view = set_owner(gw, {"shared": True})
     assert (view["project"], view["shared"]) == (None, True)
-    assert rewarded(database_url) == {*alpha_episodes, *beta_episodes}
+    assert training_data(database_url, tmp_path) == {*alpha_episodes, *beta_episodes}
     wait_until(lambda: call(gw, beta, "back").status_code == 200, "beta let in again")
 
     audit = httpx.get(gw.url + "/admin/audit", params={"target": MODEL}, headers=ADMIN).json()
