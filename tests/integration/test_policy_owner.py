@@ -411,3 +411,54 @@ def test_an_owned_policys_tools_answer_only_its_project_and_admin_keys(
         assert names == ["capital"] and answers == [("Quix", False)]
     rows = query(url, "SELECT project FROM tool_calls")
     assert [r["project"] for r in rows] == ["shop", "shop"]  # the admin key's call is the owner's
+
+
+def built_version_0(data_dir: Path, *names: str) -> None:
+    """Version 0 of each policy as an interrupted create leaves it: complete, so creating the policy keeps it
+    and loads no base model."""
+    for name in names:
+        version_0 = data_dir / "adapters" / name / "0"
+        version_0.mkdir(parents=True)
+        (version_0 / "adapter_config.json").write_text('{"r": 16}')
+
+
+def owners(url: str) -> dict[str, str | None]:
+    return {r["name"]: r["project"] for r in query(url, "SELECT name, project FROM policies")}
+
+
+def test_a_new_policy_belongs_to_its_creators_project_unless_shared(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path}/create.db"
+    built_version_0(tmp_path, "cli-default", "cli-shop", "cli-shared")
+    flags = ["--database-url", url, "--data-dir", str(tmp_path), "--base-model", "/no/such/model"]
+    assert main(["policy", "create", "cli-default", *flags]) == 0
+    assert main(["policy", "create", "cli-shop", "--project", "shop", *flags]) == 0
+    assert main(["policy", "create", "cli-shared", "--shared", *flags]) == 0
+    assert main(["policy", "create", "cli-bad", "--project", "a\x01b", *flags]) == 2
+    assert owners(url) == {"cli-default": "default", "cli-shop": "shop", "cli-shared": None}
+
+    gw = make_gateway(url, admin_key="adm")
+    built_version_0(gw.settings.data_dir, "by-ops", "named", "everyone")
+    created = httpx.post(
+        gw.url + "/admin/keys",
+        json={"name": "ops-admin", "scopes": ["admin"], "project": "ops"},
+        headers=ADMIN,
+    )
+    ops_admin = bearer(created.json()["secret"])
+    for name, fields, headers in (
+        ("by-ops", {}, ops_admin),  # the creating key's project
+        ("named", {"project": "shop"}, ops_admin),
+        ("everyone", {"shared": True}, ADMIN),
+    ):
+        body = {"name": name, "base_model": "/no/such/model", **fields}
+        answer = httpx.post(gw.url + "/admin/policies", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 201, answer.text
+    assert {k: v for k, v in owners(url).items() if not k.startswith("cli-")} == {
+        "by-ops": "ops",
+        "named": "shop",
+        "everyone": None,
+    }
+    audit = httpx.get(gw.url + "/admin/audit", params={"action": "policy.create"}, headers=ADMIN).json()
+    shared = {e["target"]: e["details"]["shared"] for e in audit}
+    assert shared == {name: project is None for name, project in owners(url).items()}
