@@ -329,6 +329,7 @@ class ChatService:
         if not self.engine.capabilities.prompt_logprobs:
             refuse_prompt_logprobs(body, echo_needs_logprobs=False)
         route = self.router.resolve(request.model)
+        principal = self.router.admit(request.model, route, principal)
         if not principal.may_use(request.model, route.policy):
             raise PermissionDenied(
                 f"This key may not use the model `{request.model}`.", param="model", code="model_not_allowed"

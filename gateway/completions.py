@@ -91,6 +91,7 @@ class RelayService:
     ) -> RelayContext:
         check_stored_fields(body.get("user"), (metadata or {}).get("group_key"))
         route = self.router.resolve(model)
+        principal = self.router.admit(model, route, principal)
         if not principal.may_use(model, route.policy):
             raise PermissionDenied(
                 f"This key may not use the model `{model}`.", param="model", code="model_not_allowed"

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -277,7 +277,9 @@ class McpEndpoint:
 def requires_policy_tools(
     database: Database,
 ) -> Callable[[ASGIConnection[Any, Any, Any, Any], BaseRouteHandler], Any]:
-    """The `/mcp` guard: a client key with the `chat` scope that may use the policy the path names, which exists."""
+    """The `/mcp` guard: a client key with the `chat` scope that may use the policy the path names, which exists
+    and is shared or its project's (another project's owned policy is answered as one that does not exist; an
+    admin key's tool calls on it are recorded under its owner, as its chat calls are)."""
 
     async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
         principal = authenticate_client(
@@ -292,7 +294,11 @@ def requires_policy_tools(
                 f"This key may not use the policy `{policy}`.", param="policy", code="model_not_allowed"
             )
         async with database.session() as session:
-            if await get_policy(session, policy) is None:
-                raise NotFound(f"no policy named {policy!r}", param="policy", code="policy_not_found")
+            found = await get_policy(session, policy)
+        owner = None if found is None else found.project
+        if found is None or (owner is not None and owner != principal.project and not principal.all_projects):
+            raise NotFound(f"no policy named {policy!r}", param="policy", code="policy_not_found")
+        if owner is not None and owner != principal.project:
+            set_principal(connection, replace(principal, project=owner))
 
     return guard

@@ -1,8 +1,11 @@
 """Creating policies: a database row plus version 0, an initialised LoRA with zero effect, so the loop can start.
 
-Used by `kaizen policy create` and `POST /admin/policies`. The configuration is validated whole before anything
-is written, the addresses its URLs reach included (`check_policy_urls`). Building version 0 loads the base model with torch: a child process does it
-(`trainer.learner.initial_adapter`), so the serving process never holds torch or the base model's weights.
+Used by `kaizen policy create` and `POST /admin/policies`. A policy is owned by one project unless it is created
+`shared` (`policy_owner`): only that project's keys call it, and it trains only on that project's episodes
+(`storage.policies.episodes_of`). The configuration is validated whole before anything is written, the addresses
+its URLs reach included (`check_policy_urls`). Building version 0 loads the base model with torch: a child
+process does it (`trainer.learner.initial_adapter`), so the serving process never holds torch or the base
+model's weights.
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ INITIAL_ADAPTER_COMMAND: tuple[str, ...] = module_command("trainer.learner.initi
 
 class BaseModelUnavailable(ValueError):
     """The base model named for a new policy could not be loaded: a client's mistake, answered with a 400."""
+
+
+class InvalidOwner(ValueError):
+    """A policy's owner that cannot be: both a project and `shared`, or a project name no key could have."""
+
+
+def policy_owner(project: str | None, shared: bool, creator: str) -> str | None:
+    """The project that owns a new policy (None: shared by every project). Sharing is never a default: it is
+    asked for (`shared`), and a policy that names no project belongs to `creator`'s (the creating key's project;
+    the built-in project for the CLI, the project of the environment's keys)."""
+    if shared:
+        if project is not None:
+            raise InvalidOwner("a policy is either owned by a project or shared: give `project` or `shared`")
+        return None
+    owner = creator if project is None else project
+    if not owner or len(owner) > 128 or any(ord(c) < 32 or ord(c) == 127 for c in owner):
+        raise InvalidOwner("project must be 1-128 characters without control characters")
+    return owner
 
 
 async def check_policy_urls(
@@ -113,10 +134,12 @@ async def create_policy_with_initial_adapter(
     config: dict[str, Any] | None = None,
     *,
     actor: str,
+    project: str | None = None,
     exist_ok: bool = False,
 ) -> PolicyInfo:
-    """Create policy `name` on `base_model` with version 0 active, recorded in the audit log as `actor`'s
-    (with its configuration: a scorer's webhook is where trajectories go). Idempotent with `exist_ok`.
+    """Create policy `name` on `base_model` with version 0 active, owned by `project` (None: shared; the callers
+    that face users decide with `policy_owner`), recorded in the audit log as `actor`'s (with its configuration:
+    a scorer's webhook is where trajectories go, and its owner). Idempotent with `exist_ok`.
 
     Raises `InvalidPolicyConfig` (naming every problem) for a bad `config`; it is stored as given, so keys
     it leaves out keep following the defaults. Raises `BaseModelUnavailable` when the base model cannot be
@@ -148,14 +171,23 @@ async def create_policy_with_initial_adapter(
     log.info("building version 0 of %s at %s", name, target)
     await build_initial_adapter(base_path, target, validated.train)
     async with database.session() as session:
-        policy = await create_policy(session, name, base_model, config)
+        policy = await create_policy(session, name, base_model, config, project=project)
         await add_adapter(session, policy.id, 0, str(target.resolve()), status="active")
         await activate_version(session, policy.id, 0)
         await record_audit(
-            session, actor, "policy.create", name, {"base_model": base_model, "config": config}
+            session,
+            actor,
+            "policy.create",
+            name,
+            {"base_model": base_model, "config": config, "project": project, "shared": project is None},
         )
         await session.commit()
         created = await get_policy(session, name)
     assert created is not None
-    log.info("policy %s created on %s; version 0 is active", name, base_model)
+    log.info(
+        "policy %s created on %s, %s; version 0 is active",
+        name,
+        base_model,
+        "shared by every project" if project is None else f"owned by project {project!r}",
+    )
     return created

@@ -5,8 +5,9 @@ engine's own models (the base model) stay addressable. The request path only rea
 background task refreshes it from the engine and the policies table, loads active versions into the engine as
 `policy@N` (a new version is always a new name) and unloads versions that are neither active nor in use. The
 same refresh keeps each policy's redactor (its `privacy` section) in memory for the capture path, whatever the
-engine. Until that refresh has read the policies once, calls are refused (`PoliciesUnavailable`): a policy's
-privacy section is not known yet, and a call stored without it would keep what it should have masked.
+engine, and each policy's owner: a policy owned by a project answers another project's keys as if it did not
+exist (`admit`). Until that refresh has read the policies once, calls are refused (`PoliciesUnavailable`): a
+policy's privacy section is not known yet, and a call stored without it would keep what it should have masked.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
 
+from gateway.auth import Principal
 from gateway.engines.base import Engine
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.redaction import Redactor
@@ -87,6 +89,8 @@ class ModelRouter:
         self.redactors: dict[str, tuple[Any, Redactor]] = {}
         # every policy the last read saw, redacting or not
         self.known_policies: set[str] = set()
+        # policy -> the project that owns it, for the owned ones only
+        self.owners: dict[str, str] = {}
         self.policy_refresh_s = policy_refresh_s
         self.idle_unload_s = idle_unload_s
         self.engine_models: set[str] = set()
@@ -135,6 +139,27 @@ class ModelRouter:
             param="model",
             code="model_not_found",
         )
+
+    def admit(self, model: str, route: Route, principal: Principal) -> Principal:
+        """Who a call to `model` (resolved to `route`) is made and recorded as. A policy owned by a project is
+        another project's keys' 404, the answer for a model that does not exist, so they learn nothing of it.
+        Admin keys, which see every project, may call it: their call is recorded under the owner, whose
+        episodes alone the policy trains on (a bootstrap calls its policy with the admin key)."""
+        owner = self.owners.get(route.policy) if route.policy is not None else None
+        if owner is None or owner == principal.project:
+            return principal
+        if principal.all_projects:
+            return replace(principal, project=owner)
+        raise NotFound(
+            f"The model `{model}` does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def visible(self, name: str, principal: Principal) -> bool:
+        """Whether /v1/models shows `name` (a policy, or an engine model) to this key."""
+        owner = self.owners.get(name)
+        return owner is None or owner == principal.project or principal.all_projects
 
     def redactor(self, policy: str | None) -> Redactor | None:
         """The redactor for calls stored under `policy`, or None when they are stored verbatim."""
@@ -193,8 +218,11 @@ class ModelRouter:
             async with self.config_database.session() as session:
                 fresh: dict[str, PolicyState] = {}
                 privacy: dict[str, Any] = {}
+                owners: dict[str, str] = {}
                 for policy in await list_policies(session):
                     privacy[policy.name] = policy.config.get("privacy")
+                    if policy.project is not None:
+                        owners[policy.name] = policy.project
                     if self.database is not None:
                         versions = {a.version: a.path for a in await list_adapters(session, policy.id)}
                         fresh[policy.name] = PolicyState(policy.active_version, versions)
@@ -203,6 +231,7 @@ class ModelRouter:
             return
         self._refresh_redactors(privacy)
         self.known_policies = set(privacy)
+        self.owners = owners
         self.policies_loaded = True
         if self.database is None:
             return

@@ -51,6 +51,7 @@ def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerCo
         base_model_path=functools.partial(resolve_base_model, models_dir=settings.data_dir / "models"),
         gate_url=gate_url(settings),
         gate_api_key=settings.api_keys[0] if settings.api_keys else None,
+        admin_api_key=settings.admin_key or None,
         webhook_secret=settings.feedback_secret,
         # A sleeping engine cannot answer the trainer: it then samples with its own copy of the adapter.
         resample_through_gateway=settings.train_sampler == "engine"

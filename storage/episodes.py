@@ -13,6 +13,7 @@ from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC, Call, Episode, Reward
+from storage.policies import episodes_of
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,8 @@ class GroupCandidate:
 async def scoring_candidates(
     session: AsyncSession, policy: str, *, source: str, since: datetime | None = None
 ) -> list[GroupCandidate]:
-    """Episodes of a policy (oldest first) with their grouping key and whether `source` scored them already."""
+    """Episodes of a policy (`episodes_of`: its owner's only, when it has one), oldest first, with their grouping
+    key and whether `source` scored them already."""
     first_call = (
         select(Call.episode_id, Call.context_hash).where(Call.position == 0, Call.status == "ok").subquery()
     )
@@ -243,7 +245,7 @@ async def scoring_candidates(
             Episode.id.in_(scored).label("scored"),
         )
         .join(first_call, first_call.c.episode_id == Episode.id)
-        .where(Episode.policy == policy)
+        .where(episodes_of(policy))
         .order_by(Episode.created_at, Episode.id)
     )
     if since is not None:

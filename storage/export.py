@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from storage.database import Database
 from storage.episodes import EpisodeTranscript, get_transcripts
 from storage.models import Call, Episode
+from storage.policies import episodes_of
 from storage.rewards import RewardInfo, rewards_for_episodes
 
 Format = Literal["parquet", "jsonl"]
@@ -107,7 +108,7 @@ class ExportFilter:
     def conditions(self) -> list[ColumnElement[bool]]:
         found: list[ColumnElement[bool]] = []
         if self.policy is not None:
-            found.append(Episode.policy == self.policy)
+            found.append(episodes_of(self.policy))
         if self.project is not None:
             found.append(Episode.project == self.project)
         if self.sources:

@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.models import Adapter, Episode, Policy, TrainingRun
+from storage.policies import episodes_of
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,8 @@ async def last_run_at(session: AsyncSession, policy_id: int, kind: str) -> datet
 
 
 async def count_rewarded_episodes(session: AsyncSession, policy: str, since: datetime | None) -> int:
-    """Episodes of `policy` with a derived reward created after `since` (the threshold trigger)."""
-    stmt = (
-        select(func.count()).select_from(Episode).where(Episode.policy == policy, Episode.reward.is_not(None))
-    )
+    """Episodes of `policy` (`episodes_of`) with a derived reward created after `since` (the threshold trigger)."""
+    stmt = select(func.count()).select_from(Episode).where(episodes_of(policy), Episode.reward.is_not(None))
     if since is not None:
         stmt = stmt.where(Episode.created_at > since)
     return int(await session.scalar(stmt) or 0)

@@ -57,6 +57,9 @@ class Policy(Base):
     active_version: Mapped[int | None] = mapped_column(Integer)
     config: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # The project that owns it: only that project's keys call it and only its episodes train it. NULL: shared by
+    # every project (each policy created before owners existed, and one created with `shared`).
+    project: Mapped[str | None] = mapped_column(String(128))
 
 
 class Adapter(Base):

@@ -7,10 +7,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import Adapter, Policy
+from storage.models import Adapter, Episode, Policy
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,12 @@ class PolicyInfo:
     active_version: int | None
     config: dict[str, Any]
     created_at: datetime
+    #: The project that owns it (only its keys call it, only its episodes train it); None: shared.
+    project: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.project is None
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,18 @@ class AdapterInfo:
 
 
 def _policy(row: Policy) -> PolicyInfo:
-    return PolicyInfo(row.id, row.name, row.base_model, row.active_version, dict(row.config), row.created_at)
+    return PolicyInfo(
+        row.id, row.name, row.base_model, row.active_version, dict(row.config), row.created_at, row.project
+    )
+
+
+def episodes_of(policy: str) -> ColumnElement[bool]:
+    """The condition an episode meets to be `policy`'s for training, judging and export: stored under its name
+    and, when the policy is owned by a project, created by a key of that project. Every query that selects a
+    policy's episodes to learn from uses it, so another project's episode can never reach an owned policy (the
+    owner is read in the same statement: a policy made owned later stops seeing the others' episodes at once)."""
+    owner = select(Policy.project).where(Policy.name == policy).scalar_subquery()
+    return and_(Episode.policy == policy, or_(owner.is_(None), Episode.project == owner))
 
 
 def _adapter(row: Adapter) -> AdapterInfo:
@@ -74,12 +91,18 @@ class PolicyExists(ValueError):
 
 
 async def create_policy(
-    session: AsyncSession, name: str, base_model: str, config: dict[str, Any] | None = None
+    session: AsyncSession,
+    name: str,
+    base_model: str,
+    config: dict[str, Any] | None = None,
+    *,
+    project: str | None = None,
 ) -> PolicyInfo:
-    """Insert a policy (without versions yet); raises `PolicyExists` if the name is taken."""
+    """Insert a policy (without versions yet), owned by `project` (None: shared); raises `PolicyExists` if the
+    name is taken."""
     if await get_policy(session, name) is not None:
         raise PolicyExists(f"policy {name!r} already exists")
-    row = Policy(name=name, base_model=base_model, config=config or {})
+    row = Policy(name=name, base_model=base_model, config=config or {}, project=project)
     session.add(row)
     await session.flush()
     return _policy(row)
@@ -97,6 +120,12 @@ async def list_policies(session: AsyncSession) -> list[PolicyInfo]:
 
 async def update_policy_config(session: AsyncSession, policy_id: int, config: dict[str, Any]) -> None:
     await session.execute(update(Policy).where(Policy.id == policy_id).values(config=config))
+
+
+async def set_policy_owner(session: AsyncSession, policy_id: int, project: str | None) -> None:
+    """Give the policy to `project`, or share it (None). Its training data follows at once (`episodes_of`);
+    gateways refuse other projects' calls from their next policy refresh."""
+    await session.execute(update(Policy).where(Policy.id == policy_id).values(project=project))
 
 
 async def add_adapter(

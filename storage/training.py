@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.calls import CALL_CLOCK_SLACK
 from storage.models import Call, Episode, Reward, TrainingRun
+from storage.policies import episodes_of
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,14 @@ class CallRow:
 async def rewarded_episodes(
     session: AsyncSession, policy: str, *, since: datetime | None, until: datetime
 ) -> list[EpisodeRow]:
-    """Episodes of `policy` created in (since, until] that carry a reward, oldest first.
+    """Episodes of `policy` (`episodes_of`: its owner's only, when it has one) created in (since, until] that
+    carry a reward, oldest first.
 
     A reward row counts for an episode when it names the episode or one of its calls. The episode's own
     `reward` column (derived by the policy's rule) wins over the plain mean of its reward rows. Only the window's
     episodes and their rewards are read, whatever the size of the tables.
     """
-    in_window = [Episode.policy == policy, Episode.created_at <= until]
+    in_window = [episodes_of(policy), Episode.created_at <= until]
     if since is not None:
         in_window.append(Episode.created_at > since)
     window = select(Episode.id, Episode.project).where(*in_window).cte("window")
@@ -111,13 +113,14 @@ async def rewarded_episodes(
 async def unrewarded_episodes(
     session: AsyncSession, policy: str, *, sources: Sequence[str], since: datetime | None, until: datetime
 ) -> list[EpisodeRow]:
-    """Episodes of `policy` from `sources` (`episodes.source`) created in (since, until] that carry no reward
-    at all (no derived reward, no reward row for them or their calls), oldest first; their `reward` is 0."""
+    """Episodes of `policy` (`episodes_of`) from `sources` (`episodes.source`) created in (since, until] that
+    carry no reward at all (no derived reward, no reward row for them or their calls), oldest first; their
+    `reward` is 0."""
     on_episode = select(Reward.id).where(Reward.episode_id == Episode.id)
     on_call = select(Reward.id).join(Call, Reward.call_id == Call.id).where(Call.episode_id == Episode.id)
     stmt = (
         select(Episode)
-        .where(Episode.policy == policy, Episode.source.in_(list(sources)), Episode.created_at <= until)
+        .where(episodes_of(policy), Episode.source.in_(list(sources)), Episode.created_at <= until)
         .where(Episode.reward.is_(None), ~on_episode.exists(), ~on_call.exists())
         .order_by(Episode.created_at, Episode.id)
     )

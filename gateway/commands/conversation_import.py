@@ -185,16 +185,25 @@ async def import_conversations(
     path: Path,
     policy: str,
     *,
-    project: str = DEFAULT_PROJECT,
+    project: str | None = None,
     reward_name: str = IMPORT_SOURCE,
     skip_bad_lines: bool = False,
     batch_size: int = 500,
 ) -> ImportReport:
-    """Validate the whole file, then store its conversations in batches. Raises ImportFailed (nothing stored)."""
+    """Validate the whole file, then store its conversations in batches, as episodes of `project` (None: the
+    policy's owner, else the built-in project). Raises ImportFailed (nothing stored), also for a project other
+    than the owner of an owned policy: that policy would never train on them."""
     async with database.session() as session:
         info = await get_policy(session, policy)
     if info is None:
         raise ImportFailed(f"no policy named {policy!r}: create it first (`kaizen policy create {policy}`)")
+    if project is None:
+        project = info.project or DEFAULT_PROJECT
+    elif info.project is not None and project != info.project:
+        raise ImportFailed(
+            f"policy {policy!r} is owned by project {info.project!r} and trains on its episodes only: "
+            f"import them into that project (leave out --project)"
+        )
     config = load_policy_config(info.config)
     report = ImportReport()
     for number, line in _lines(path):

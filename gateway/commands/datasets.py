@@ -123,7 +123,10 @@ def _add_import_arguments(parser: argparse.ArgumentParser) -> None:
         "file", type=Path, help="JSON lines in OpenAI's chat format, one conversation a line."
     )
     parser.add_argument("--policy", required=True, help="The policy the conversations become episodes of.")
-    parser.add_argument("--project", default="default", help="The project the episodes belong to.")
+    parser.add_argument(
+        "--project",
+        help="The project the episodes belong to (default: the policy's owner; for a shared one `default`).",
+    )
     parser.add_argument(
         "--reward-name", default="import", help="Name of the rewards the lines' `reward` values become."
     )

@@ -71,7 +71,7 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 def train_command(args: argparse.Namespace) -> int:
     from gateway.scheduling import runner_config
     from migrations.runner import open_database
-    from storage.policies import get_policy
+    from storage.policies import PolicyInfo, get_policy
     from trainer.control.policy_config import load_policy_config
     from trainer.control.scheduler import TrainOptions
 
@@ -81,19 +81,21 @@ def train_command(args: argparse.Namespace) -> int:
     options = TrainOptions(overrides, parse_since(args.since) if args.since else None, args.device)
     config = runner_config(settings)
 
-    async def base_model_of_policy() -> str | None:
+    async def policy_of_args() -> PolicyInfo | None:
         async with open_database(settings.database_url) as database, database.session() as session:
             policy = await get_policy(session, args.policy)
         if policy is None:
             return None
         load_policy_config(policy.config, train_overrides=overrides)  # a bad --set is refused here, not later
-        return policy.base_model
+        return policy
 
-    base_model = asyncio.run(base_model_of_policy())
-    if base_model is None:
+    policy = asyncio.run(policy_of_args())
+    if policy is None:
         log.error("no policy named %r", args.policy)
         return 2
-    job = config.training_job(args.policy, config.base_model_path(base_model), options)
+    job = config.training_job(
+        args.policy, config.base_model_path(policy.base_model), options, project=policy.project
+    )
     if args.print_job:
         sys.stdout.buffer.write(job.encode())
         return 0

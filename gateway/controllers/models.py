@@ -24,7 +24,11 @@ class ModelsController(Controller):
     ) -> ModelList:
         """The models and policies this key may call."""
         principal = principal_of(request)
-        names = [name for name in router.listed() if principal.may_use(name, None)]
+        names = [
+            name
+            for name in router.listed()
+            if principal.may_use(name, None) and router.visible(name, principal)
+        ]
         return ModelList([ModelCard(name, router.created, "kaizen") for name in names])
 
     @get("/{model_id:path}")
@@ -35,7 +39,8 @@ class ModelsController(Controller):
         a `/` (hub ids such as `org/model`), so the rest of the path is the id."""
         name = model_id.lstrip("/")
         route = router.resolve(name)  # 404 model_not_found for what does not exist
-        if not principal_of(request).may_use(name, route.policy):
+        principal = router.admit(name, route, principal_of(request))  # and for another project's policy
+        if not principal.may_use(name, route.policy):
             # As for a model that does not exist: a key learns nothing about models it may not use.
             raise NotFound(
                 f"The model `{name}` does not exist or you do not have access to it.",

@@ -1,5 +1,5 @@
-"""`/admin/policies`: create and list policies (admin key). Their promote, rollback, pause and resume are
-`gateway.controllers.policy_actions`, shared with the dashboard."""
+"""`/admin/policies`: create and list policies and set their owner (admin key). Their promote, rollback, pause and
+resume are `gateway.controllers.policy_actions`, shared with the dashboard."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ from typing import Any
 import msgspec
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
-from gateway.controllers.params import PolicyName
-from gateway.errors import InvalidRequest, invalid_policy_config
-from gateway.policies import BaseModelUnavailable, check_policy_urls, create_policy_with_initial_adapter
+from gateway.controllers.params import PathName, PolicyName
+from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
+from gateway.policies import (
+    BaseModelUnavailable,
+    InvalidOwner,
+    check_policy_urls,
+    create_policy_with_initial_adapter,
+    policy_owner,
+)
 from gateway.settings import Settings
+from storage.audit import record_audit
 from storage.database import Database
-from storage.policies import PolicyExists, list_adapters, list_policies
+from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, set_policy_owner
 from trainer.control.policy_config import InvalidPolicyConfig
 
 
@@ -26,6 +33,17 @@ class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
     name: PolicyName
     base_model: str | None = None
     config: dict[str, Any] = {}
+    #: The project that owns it; neither this nor `shared`: the creating key's project.
+    project: str | None = None
+    #: Every project's keys call it and it trains on every project's episodes.
+    shared: bool = False
+
+
+class SetOwner(msgspec.Struct, forbid_unknown_fields=True):
+    """`{"project": "shop"}` gives the policy to a project, `{"shared": true}` shares it."""
+
+    project: str | None = None
+    shared: bool = False
 
 
 class AdapterView(msgspec.Struct):
@@ -42,6 +60,8 @@ class PolicyView(msgspec.Struct):
     active_version: int | None
     config: dict[str, Any]
     versions: list[AdapterView]
+    project: str | None  # the owner: only its keys call the policy, only its episodes train it
+    shared: bool  # no owner: every project's keys and episodes
 
 
 class CreatedPolicy(PolicyView):
@@ -60,7 +80,15 @@ async def policy_views(session: AsyncSession, name: str | None = None) -> list[P
             for a in await list_adapters(session, policy.id)
         ]
         views.append(
-            PolicyView(policy.name, policy.base_model, policy.active_version, policy.config, versions)
+            PolicyView(
+                policy.name,
+                policy.base_model,
+                policy.active_version,
+                policy.config,
+                versions,
+                policy.project,
+                policy.shared,
+            )
         )
     return views
 
@@ -85,11 +113,19 @@ class PoliciesController(Controller):
     ) -> CreatedPolicy:
         """Create a policy; version 0 (a zero-effect LoRA) is built and made active.
 
+        It belongs to `project`, or to the creating key's project when the body names none, unless `shared` is
+        true: only the owner's keys call it and only the owner's episodes train it.
+
         The whole `config` is validated first: a 400 names every unknown key and bad value (a webhook or judge
         URL that is not http(s), or reaches a private address without the operator's opt-in), nothing is written.
         `warnings` says what was accepted but deserves a look.
         """
         refuse_too_deep({"config": data.config}, param="config")
+        principal = principal_of(request)
+        try:
+            owner = policy_owner(data.project, data.shared, principal.project)
+        except InvalidOwner as exc:
+            raise InvalidRequest(str(exc), param="project", code="invalid_value") from exc
         # Built in sessions of its own (the CLI shares it); a concurrent create of the same name loses on the
         # unique key and is answered 409 by the app.
         try:
@@ -104,7 +140,8 @@ class PoliciesController(Controller):
                 data.name,
                 data.base_model or settings.base_model,
                 data.config,
-                actor=principal_of(request).actor,
+                actor=principal.actor,
+                project=owner,
             )
         except InvalidPolicyConfig as exc:
             raise invalid_policy_config(exc) from exc
@@ -116,3 +153,36 @@ class PoliciesController(Controller):
             raise InvalidRequest(str(exc), param="name", code="invalid_value") from exc
         [view] = await policy_views(session, data.name)
         return CreatedPolicy(**msgspec.structs.asdict(view), warnings=warnings)
+
+    @post("/{name:str}/owner", status_code=200)
+    async def set_owner(
+        self,
+        request: Request[Any, Any, Any],
+        name: FromPath[PathName],
+        data: JSONBody[SetOwner],
+        session: NamedDependency[AsyncSession],
+    ) -> PolicyView:
+        """Give the policy to a project (`project`) or share it (`shared: true`); one of the two is required.
+
+        Training and judging follow at once: an owned policy's next run reads its owner's episodes only.
+        Gateways refuse other projects' calls from their next policy refresh (`KAIZEN_POLICY_REFRESH_S`)."""
+        if data.project is None and not data.shared:
+            raise InvalidRequest("give `project` or `shared: true`", param="project", code="invalid_value")
+        try:
+            owner = policy_owner(data.project, data.shared, "")
+        except InvalidOwner as exc:
+            raise InvalidRequest(str(exc), param="project", code="invalid_value") from exc
+        policy = await get_policy(session, name)
+        if policy is None:
+            raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+        await set_policy_owner(session, policy.id, owner)
+        await record_audit(
+            session,
+            principal_of(request).actor,
+            "policy.owner",
+            name,
+            {"from_project": policy.project, "project": owner, "shared": owner is None},
+        )
+        await session.commit()
+        [view] = await policy_views(session, name)
+        return view

@@ -249,6 +249,7 @@ TARGETS = [
         {"name": "fuzzed", "base_model": "/no/such/model", "config": {"train": {"learning_rate": 1e-4}}},
     ),
     Target("POST", "/admin/policies/default/promote", ADMIN_KEY, {"version": 0}),
+    Target("POST", "/admin/policies/default/owner", ADMIN_KEY, {"shared": True}),
     Target(
         "POST",
         "/admin/policies/default/train",

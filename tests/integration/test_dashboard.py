@@ -235,6 +235,8 @@ def test_pages_show_traffic_episodes_runs_and_judge_groups(
     assert browser.get("/dashboard/episodes/no-such-episode").status_code == 404
     policy = browser.get("/dashboard/policies/bot")
     assert policy.status_code == 200 and 'id="active-version">v0<' in policy.text
+    assert 'id="owner">shared by every project<' in policy.text
+    assert "<td>shared</td>" in browser.get("/dashboard/policies").text
     assert "judge_interval_s" in policy.text  # the stored configuration, and the one in effect
     runs = browser.get("/dashboard/runs?policy=bot")
     assert runs.status_code == 200 and "collapse guard stopped the run" in runs.text

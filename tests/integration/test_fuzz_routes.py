@@ -189,8 +189,18 @@ ROUTES = [
             "name": [None, 5, [], "", "nul\u0000"],
             "config": ["x", [1]],
             "base_model": [5, "/no/such/model"],
+            "project": [5, "", "nul\u0000", "x" * 200],
+            "shared": ["yes", None],
         },
         required=("name",),
+    ),
+    Route(
+        "POST",
+        "/admin/policies/{name}/owner",
+        ADMIN_KEY,
+        {"shared": True},
+        {"project": [5, "", "nul\u0000", "shop"], "shared": ["yes", 5, None], "unknown": [1]},
+        params={"name": "nope"},
     ),
     Route(
         "POST",

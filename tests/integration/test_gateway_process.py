@@ -36,15 +36,17 @@ def test_child_gateway_starts_creates_a_policy_once_and_stops(
         [policy] = listed.json()
         assert (policy["name"], policy["active_version"]) == ("bot", 0)
         assert policy["config"]["train"]["group_size"] == 4
+        # Named by no project and not shared: the creating key's, the admin key's built-in project.
+        assert (policy["project"], policy["shared"]) == ("default", False)
         # The creation is an admin change like any other: audited once (the refused second one is not).
         audit = httpx.get(
             f"{gateway.url}/admin/audit",
             params={"target": "bot"},
             headers={"Authorization": f"Bearer {gateway.admin_key}"},
         ).json()
-        assert [(e["action"], e["actor"], e["details"]["config"]) for e in audit] == [
-            ("policy.create", "admin-key", {"train": {"group_size": 4}})
-        ]
+        assert [
+            (e["action"], e["actor"], e["details"]["config"], e["details"]["project"]) for e in audit
+        ] == [("policy.create", "admin-key", {"train": {"group_size": 4}}, "default")]
         assert httpx.get(f"{gateway.url}/admin/policies").status_code == 401
     finally:
         gateway.stop()

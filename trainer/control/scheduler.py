@@ -42,6 +42,7 @@ from storage.jobs import (
     update_run,
 )
 from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock
+from storage.models import DEFAULT_PROJECT
 from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
@@ -98,6 +99,9 @@ class RunnerConfig:
     gate_url: str
     #: The key the gate, and the training child's resampling, present to the gateway.
     gate_api_key: str | None = None
+    #: The admin key: what they present instead for a policy owned by a project other than the built-in one,
+    #: which refuses the environment's keys (`gateway_key`).
+    admin_api_key: str | None = None
     webhook_secret: str = ""
     #: `resample` grouping samples through the gateway at `gate_url` (vLLM's exact token ids and behaviour
     #: logprobs); off: with the trainer's own copy of the adapter.
@@ -120,10 +124,24 @@ class RunnerConfig:
     base_model_path: Callable[[str], str] = str
     log_level: str = "info"
 
+    def gateway_key(self, project: str | None) -> str | None:
+        """The key the gate and resampling present for a policy owned by `project` (None: shared). An owned
+        policy answers only its project's keys and admin keys; the environment's keys are the built-in
+        project's, so another owner's policy is sampled with the admin key when there is one."""
+        if project is None or project == DEFAULT_PROJECT or not self.admin_api_key:
+            return self.gate_api_key
+        return self.admin_api_key
+
     def training_job(
-        self, policy: str, base_model: str, options: TrainOptions, lock_owner: str | None = None
+        self,
+        policy: str,
+        base_model: str,
+        options: TrainOptions,
+        lock_owner: str | None = None,
+        project: str | None = None,
     ) -> TrainingJob:
-        """The job a training child of `policy` runs; `base_model` is already resolved (`base_model_path`)."""
+        """The job a training child of `policy` (owned by `project`; None: shared) runs; `base_model` is already
+        resolved (`base_model_path`)."""
         return TrainingJob(
             policy=policy,
             database_url=self.database_url,
@@ -132,7 +150,7 @@ class RunnerConfig:
             judge=self.judge,
             webhook_secret=self.webhook_secret,
             engine_url=self.gate_url if self.resample_through_gateway else None,
-            engine_api_key=self.gate_api_key,
+            engine_api_key=self.gateway_key(project),
             engine_max_n=self.max_n,
             overrides=dict(options.overrides),
             since=options.since,
@@ -382,7 +400,9 @@ class JobRunner:
             problem = f"base model {policy.base_model!r}: {exc!r}\n"
             log.write(problem)
             return None, collections.deque([problem]), None
-        job = self.config.training_job(policy.name, base_model, options, lock_owner=owner)
+        job = self.config.training_job(
+            policy.name, base_model, options, lock_owner=owner, project=policy.project
+        )
         argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         # A group of its own (stopping it reaches torchrun's ranks too), yet SIGTERMed when this process dies, even
@@ -490,7 +510,7 @@ class JobRunner:
                 async with ToolBox(policy_config.tools, for_resampling=True) as tools:
                     sampler = VersionSampler(
                         self.config.gate_url,
-                        self.config.gate_api_key,
+                        self.config.gateway_key(policy.project),
                         config,
                         tools=tools,
                         max_turns=policy_config.train.max_turns,
