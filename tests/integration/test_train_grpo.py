@@ -17,6 +17,7 @@ import torch
 from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import create_policy, list_adapters
+from tests.support.improvement import assert_rewards_improved, mean
 from tests.support.training_data import RewardedReply, write_rewarded_groups
 from trainer.control.policy_config import TrainConfig, load_policy_config
 from trainer.control.ruler import JudgeSettings
@@ -94,9 +95,8 @@ def fresh_samples(s: LocalSampler) -> list[list[Sample]]:
     return s.sample_many([([{"role": "user", "content": p}], None) for p in PROMPTS], SAMPLES)
 
 
-def mean_reward(samples: list[list[Sample]]) -> float:
-    rewards = [brevity(x.text) for group in samples for x in group]
-    return sum(rewards) / len(rewards)
+def rewards(samples: list[list[Sample]]) -> list[float]:
+    return [brevity(x.text) for group in samples for x in group]
 
 
 async def insert_data(db: Database, samples: list[list[Sample]], policy: str) -> None:
@@ -156,11 +156,12 @@ def test_training_raises_reward_of_fresh_samples(tmp_path: Path, embedded_model:
     print(f"collapse checks: {baseline} -> {final}")
     assert final["reward"] > baseline["reward"] and final["waived"], final
 
-    # The captured replies are fresh samples of the old adapter (here: the base model) on the same prompts.
-    before = mean_reward(old_samples)
-    after = mean_reward(fresh_samples(sampler(embedded_model, outcome.adapter_path, seed=7)))
-    print(f"mean reward of fresh samples: before {before:.3f} after {after:.3f}")
-    assert after > before + 0.1, (before, after)
+    # The captured replies are fresh samples of the old adapter (here: the base model) on the same prompts; the
+    # new adapter's replies, seeded too, must earn more than their 48 replies a side can explain by chance.
+    before = rewards(old_samples)
+    after = rewards(fresh_samples(sampler(embedded_model, outcome.adapter_path, seed=7)))
+    print(f"mean reward of fresh samples: before {mean(before):.3f} after {mean(after):.3f}")
+    assert_rewards_improved(before, after)
 
 
 @pytest.mark.usefixtures("embedded_model")
