@@ -48,6 +48,7 @@ from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollups import refresh_if_stale
+from storage.version_rewards import policy_version_rewards
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.control.run_logs import run_log_path
 
@@ -55,6 +56,10 @@ T = TypeVar("T")
 PAGE_SIZE = 50
 LOG_TAIL_BYTES = 64 * 1024
 # window -> (length, bucket): about a hundred points per chart.
+LIVE_REWARD_WINDOW = timedelta(days=30)
+"""The policy page's live reward per version counts the episodes started this long ago at most: the overview's
+longest window, and a bound on the rows one page view sums."""
+
 WINDOWS: dict[str, tuple[timedelta, int]] = {
     "1h": (timedelta(hours=1), 60),
     "6h": (timedelta(hours=6), 300),
@@ -476,7 +481,8 @@ class DashboardPages(Controller):
         name: FromPath[PathName],
         session: NamedDependency[AsyncSession],
     ) -> Template:
-        """One policy: versions (promote, rollback), schedule (pause, resume), configuration, recent changes."""
+        """One policy: versions (promote, rollback) and their live reward, schedule (pause, resume), configuration,
+        recent changes."""
         info = await get_policy(session, name)
         if info is None:
             raise NotFound(f"no policy named {name!r}", code="policy_not_found")
@@ -498,6 +504,13 @@ class DashboardPages(Controller):
                 problem=problem,
                 audit=await list_audit(session, target=name, limit=20),
                 runs=await list_runs(session, name, None, 10),
+                live=list(
+                    reversed(
+                        await policy_version_rewards(session, name, datetime.now(UTC) - LIVE_REWARD_WINDOW)
+                        or []
+                    )
+                ),
+                live_days=LIVE_REWARD_WINDOW.days,
             ),
         )
 

@@ -1,4 +1,5 @@
-"""Live reward per version and the comparison of two versions: admin API and CLI, on SQLite and PostgreSQL.
+"""Live reward per version and the comparison of two versions: admin API, CLI and the dashboard's policy page, on
+SQLite and PostgreSQL.
 
 The numbers are those of tests/unit/test_version_rewards.py: version 0 served rewards [0, 1, 1, 0], version 1
 [1, 1, 1, 0, 1] (the 0 three days ago), version 2 nothing rewarded yet."""
@@ -6,6 +7,7 @@ The numbers are those of tests/unit/test_version_rewards.py: version 0 served re
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,6 +20,7 @@ from gateway.settings import async_database_url
 from storage.database import Database
 from storage.models import Call, Episode
 from tests.integration.test_policy_admin import seed_policy
+from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 
 MakeGateway = Callable[..., GatewayServer]
@@ -165,3 +168,25 @@ def test_compare_from_the_cli(database_url: str, tmp_path: Path, capsys: pytest.
     assert "+0.3000  [-0.3883, +0.9883]  no clear difference" in lines[3]
     assert main(["policy", "compare", "bot", "0", "9", *flags]) == 2
     assert main(["policy", "compare", "nobody", "0", "1", *flags]) == 2
+
+
+def test_the_policy_page_shows_each_versions_live_reward(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy(database_url, 3)
+    seed_episodes(database_url)
+    gw = make_gateway(database_url, admin_key="adm")
+    page = login(gw.url, "adm").get("/dashboard/policies/bot")
+    assert page.status_code == 200
+    table = re.search(r'<table class="list" id="live-reward">(.*?)</table>', page.text, re.S)
+    assert table is not None
+    rows = {
+        version: [
+            re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+        ]
+        for version, row in re.findall(r'<tr data-version="(\w+)">(.*?)</tr>', table.group(1), re.S)
+    }
+    assert list(rows) == ["2", "1", "0"]  # newest first, like the versions table
+    assert rows["0"] == ["v0", "active", "4", "0.5", "0.577", "-0.0658 – 1.07"]
+    assert rows["1"][:4] == ["v1", "candidate", "5", "0.8"]
+    assert rows["2"] == ["v2", "candidate", "0", "–", "–", "–"]
