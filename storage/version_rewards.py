@@ -18,8 +18,9 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 from statistics import NormalDist
+from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import Select, and_, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
@@ -81,14 +82,12 @@ def difference(a: RewardStats, b: RewardStats) -> Difference:
     return Difference(diff, low, high, low > 0 or high < 0)
 
 
-async def version_rewards(
-    session: AsyncSession, policy: str, since: datetime | None = None
-) -> dict[int | None, RewardStats]:
-    """Every serving version of the policy's rewarded episodes started at or after `since` (None: all time),
-    keyed by version (None: the base model served the first call, or the episode has no call)."""
+def _sums(*keys: Any) -> Select[Any]:
+    """Rewarded episodes summed per `keys` and the version of their first call (count, sum, sum of squares)."""
     first = aliased(Call, name="first_call")
-    query = (
+    return (
         select(
+            *keys,
             first.adapter_version,
             func.count(Episode.reward).label("n"),
             func.sum(Episode.reward).label("total"),
@@ -96,13 +95,33 @@ async def version_rewards(
         )
         .select_from(Episode)
         .outerjoin(first, and_(first.episode_id == Episode.id, first.position == 0))
-        .where(Episode.policy == policy, Episode.reward.is_not(None))
-        .group_by(first.adapter_version)
+        .where(Episode.reward.is_not(None))
+        .group_by(*keys, first.adapter_version)
     )
+
+
+async def version_rewards(
+    session: AsyncSession, policy: str, since: datetime | None = None
+) -> dict[int | None, RewardStats]:
+    """Every serving version of the policy's rewarded episodes started at or after `since` (None: all time),
+    keyed by version (None: the base model served the first call, or the episode has no call)."""
+    query = _sums().where(Episode.policy == policy)
     if since is not None:
         query = query.where(Episode.created_at >= since)
     return {
         row.adapter_version: RewardStats.of_sums(int(row.n), float(row.total), float(row.squares))
+        for row in await session.execute(query)
+    }
+
+
+async def live_rewards(session: AsyncSession, since: datetime) -> dict[tuple[str, int | None], RewardStats]:
+    """Every policy's rewarded episodes started at or after `since`, per policy and serving version: /metrics
+    reads a recent window, so the read stays bounded by the traffic of that window (the created_at index)."""
+    query = _sums(Episode.policy).where(Episode.policy.is_not(None), Episode.created_at >= since)
+    return {
+        (row.policy, row.adapter_version): RewardStats.of_sums(
+            int(row.n), float(row.total), float(row.squares)
+        )
         for row in await session.execute(query)
     }
 

@@ -1,5 +1,5 @@
-"""Live reward per version and the comparison of two versions: admin API, CLI and the dashboard's policy page, on
-SQLite and PostgreSQL.
+"""Live reward per version and the comparison of two versions: admin API, CLI, the dashboard's policy page and
+/metrics, on SQLite and PostgreSQL.
 
 The numbers are those of tests/unit/test_version_rewards.py: version 0 served rewards [0, 1, 1, 0], version 1
 [1, 1, 1, 0, 1] (the 0 three days ago), version 2 nothing rewarded yet."""
@@ -19,6 +19,7 @@ from gateway.commands.main import main
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.models import Call, Episode
+from tests.integration.test_metrics import scrape, value
 from tests.integration.test_policy_admin import seed_policy
 from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
@@ -190,3 +191,26 @@ def test_the_policy_page_shows_each_versions_live_reward(
     assert rows["0"] == ["v0", "active", "4", "0.5", "0.577", "-0.0658 – 1.07"]
     assert rows["1"][:4] == ["v1", "candidate", "5", "0.8"]
     assert rows["2"] == ["v2", "candidate", "0", "–", "–", "–"]
+
+
+def test_metrics_report_the_last_days_live_reward_per_version(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed_policy(database_url, 3)
+    seed_episodes(database_url)
+    gw = make_gateway(database_url, admin_key="adm", metrics_db_interval_s=0.05)
+    samples = scrape(gw, ADMIN)
+    assert value(samples, "kaizen_live_reward_episodes", policy="bot", version="0") == 4
+    assert value(samples, "kaizen_live_reward_mean", policy="bot", version="0") == 0.5
+    half = value(samples, "kaizen_live_reward_ci95_half_width", policy="bot", version="0")
+    assert half == pytest.approx(0.565793, abs=1e-6)
+    # The last 24 hours: version 1's reward of three days ago is not in them.
+    assert value(samples, "kaizen_live_reward_episodes", policy="bot", version="1") == 4
+    assert value(samples, "kaizen_live_reward_mean", policy="bot", version="1") == 1.0
+    assert value(samples, "kaizen_live_reward_episodes", policy="other", version="1") == 1
+    labelled = {
+        (dict(labels)["policy"], dict(labels)["version"])
+        for name, labels in samples
+        if name == "kaizen_live_reward_ci95_half_width"
+    }
+    assert labelled == {("bot", "0"), ("bot", "1")}  # none for one episode, nor for a version with no reward
