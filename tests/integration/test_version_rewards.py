@@ -191,6 +191,9 @@ def test_the_policy_page_shows_each_versions_live_reward(
     assert rows["0"] == ["v0", "active", "4", "0.5", "0.577", "-0.0658 – 1.07"]
     assert rows["1"][:4] == ["v1", "candidate", "5", "0.8"]
     assert rows["2"] == ["v2", "candidate", "0", "–", "–", "–"]
+    chart = re.search(r'id="live-reward-chart">(.*?)</section>', page.text, re.S)
+    assert chart is not None and "<svg" in chart.group(1)
+    assert all(name in chart.group(1) for name in ("mean", "95% upper", "95% lower", ">v0<", ">v1<"))
 
 
 def test_metrics_report_the_last_days_live_reward_per_version(
