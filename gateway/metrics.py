@@ -53,7 +53,7 @@ from gateway.engines.base import Engine
 from gateway.routing import ModelRouter
 from gateway.settings import Settings
 from storage.database import Database
-from storage.monitoring import StoreCounts, store_counts
+from storage.monitoring import LIVE_REWARD_WINDOW, StoreCounts, store_counts
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,36 @@ class _ScrapeCollector(Collector):
         for (policy, kind), (n, seconds) in sorted(finished.items()):
             durations.add_metric([policy, kind], count_value=n, sum_value=seconds)
         yield from (runs, durations, last)
+        yield from _ScrapeCollector._live_rewards(store)
+
+    @staticmethod
+    def _live_rewards(store: StoreCounts) -> Iterable[Metric]:
+        window = f"episodes started in the last {LIVE_REWARD_WINDOW.total_seconds() / 3600:g} h"
+        labels = ["policy", "version"]
+        episodes = GaugeMetricFamily(
+            "kaizen_live_reward_episodes",
+            f"Rewarded {window}, by policy and the version that served their first call (base: the base model).",
+            labels=labels,
+        )
+        mean = GaugeMetricFamily(
+            "kaizen_live_reward_mean", f"Mean reward of the rewarded {window}.", labels=labels
+        )
+        half = GaugeMetricFamily(
+            "kaizen_live_reward_ci95_half_width",
+            f"Half-width of the 95% interval of kaizen_live_reward_mean (normal, 1.96 sd/sqrt(n)); absent below "
+            f"two episodes; {window}.",
+            labels=labels,
+        )
+        for (policy, version), stats in sorted(
+            store.live_rewards.items(), key=lambda item: (item[0][0], item[0][1] is None, item[0][1] or 0)
+        ):
+            key = [policy, "base" if version is None else str(version)]
+            episodes.add_metric(key, float(stats.episodes))
+            if stats.mean is not None:
+                mean.add_metric(key, stats.mean)
+            if stats.low is not None and stats.high is not None:
+                half.add_metric(key, (stats.high - stats.low) / 2)
+        yield from (episodes, mean, half)
 
 
 #: Families every worker reads from the same place (the database, the shared engine): reported once, from the
@@ -376,6 +406,9 @@ SHARED_FAMILIES = frozenset(
         "kaizen_run_duration_seconds",
         "kaizen_run_last_finished_timestamp_seconds",
         "kaizen_metrics_database_ok",
+        "kaizen_live_reward_episodes",
+        "kaizen_live_reward_mean",
+        "kaizen_live_reward_ci95_half_width",
     }
 )
 #: How long a scrape waits for a sibling worker's exposition (one that is restarting is left out).

@@ -1,4 +1,5 @@
-"""Aggregates that monitoring reads: active versions, stored rewards, judge groups and their cost, job runs.
+"""Aggregates that monitoring reads: active versions, stored rewards, judge groups and their cost, job runs, and
+the last day's live reward per policy and serving version.
 
 These numbers live in the database because other processes write them (a training child, a worker, another
 replica's scheduler), so a gateway's `/metrics` reads them here instead of counting them itself. Each is one
@@ -8,13 +9,18 @@ grouped query over indexed or small tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Float, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.models import JudgeGroup, Policy, Reward, TrainingRun
+from storage.version_rewards import RewardStats, live_rewards
+
+LIVE_REWARD_WINDOW = timedelta(hours=24)
+"""/metrics reports the live reward of the episodes started this long ago at most: recent enough to follow a
+promotion, and a read bounded by a day's traffic rather than everything ever captured."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class StoreCounts:
     rewards: dict[tuple[str, str], int] = field(default_factory=dict)  # (source, status) -> rows
     judge: list[JudgeTotals] = field(default_factory=list)
     runs: list[RunTotals] = field(default_factory=list)
+    # (policy, serving version of the first call) -> rewarded episodes of the last LIVE_REWARD_WINDOW
+    live_rewards: dict[tuple[str, int | None], RewardStats] = field(default_factory=dict)
 
 
 def _duration_s(session: AsyncSession) -> ColumnElement[Any]:
@@ -86,6 +94,7 @@ async def store_counts(session: AsyncSession) -> StoreCounts:
         .join(Policy, Policy.id == TrainingRun.policy_id)
         .group_by(Policy.name, TrainingRun.kind, TrainingRun.status)
     )
+    live = await live_rewards(session, datetime.now(UTC) - LIVE_REWARD_WINDOW)
     return StoreCounts(
         active_versions={name: version for name, version in policies},
         rewards={(source, status): int(n) for source, status, n in rewards},
@@ -97,4 +106,5 @@ async def store_counts(session: AsyncSession) -> StoreCounts:
             RunTotals(name, kind, status, int(n), int(done), float(seconds or 0.0), _utc(last))
             for name, kind, status, n, done, seconds, last in runs
         ],
+        live_rewards=live,
     )

@@ -1,4 +1,5 @@
-"""`kaizen policy create|list|owner|promote|rollback`: policies, the trainable models, their owners and versions."""
+"""`kaizen policy create|list|owner|promote|rollback|compare`: policies, the trainable models, their owners and
+versions."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import asyncio
 import json
 import logging
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.commands.options import add_common_options, configure_logging, load_settings
+
+if TYPE_CHECKING:
+    from storage.version_rewards import Difference, RewardStats
 
 log = logging.getLogger("kaizen")
 
@@ -50,6 +56,25 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     listing = policy_commands.add_parser("list", help="List policies and their versions.")
     add_common_options(listing)
     listing.set_defaults(func=list_command)
+    compare = policy_commands.add_parser(
+        "compare", help="Live reward of two versions with 95%% intervals, and whether they differ."
+    )
+    compare.add_argument("name")
+    compare.add_argument("a", type=int, help="The version to compare against (e.g. the active one).")
+    compare.add_argument("b", type=int, help="The version compared (e.g. a candidate).")
+    compare.add_argument(
+        "--since",
+        type=_utc,
+        metavar="TIME",
+        help="Only episodes started at or after this ISO 8601 time (UTC without an offset; default: all time).",
+    )
+    add_common_options(compare)
+    compare.set_defaults(func=compare_command)
+
+
+def _utc(text: str) -> datetime:
+    at = datetime.fromisoformat(text)
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def add_owner_options(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -207,3 +232,62 @@ def switch_command(args: argparse.Namespace) -> int:
         return 2
     log.info("policy %s: version %s is active", args.name, version)
     return 0
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    """`kaizen policy compare P A B`: a table of both versions' live reward and of B - A."""
+    from migrations.runner import open_database
+    from storage.version_rewards import difference, policy_version_rewards
+
+    settings = load_settings(args)
+    configure_logging(settings.log_level)
+
+    async def run() -> str:
+        async with (
+            open_database(settings.database_url, migrate=False) as database,
+            database.session() as session,
+        ):
+            rows = await policy_version_rewards(session, args.name, args.since)
+        if rows is None:
+            raise LookupError(f"no policy named {args.name!r}")
+        stats = {row.version: row.stats for row in rows}
+        for version in (args.a, args.b):
+            if version not in stats:
+                raise LookupError(f"policy {args.name!r} has no version {version}")
+        a, b = stats[args.a], stats[args.b]
+        return compare_table(args.a, a, args.b, b, difference(a, b))
+
+    try:
+        table = asyncio.run(run())
+    except LookupError as exc:
+        log.error("%s", exc)
+        return 2
+    sys.stdout.write(table)
+    return 0
+
+
+def _value(value: float | None, sign: str = "") -> str:
+    return "-" if value is None else f"{value:{sign}.4f}"
+
+
+def _interval(low: float | None, high: float | None, sign: str = "") -> str:
+    return "-" if low is None or high is None else f"[{low:{sign}.4f}, {high:{sign}.4f}]"
+
+
+def compare_table(a: int, stats_a: RewardStats, b: int, stats_b: RewardStats, diff: Difference) -> str:
+    """Rewarded episodes, mean reward and its 95% interval of each version, then the difference b - a."""
+    rows = [("version", "episodes", "mean", "95% interval", "")]
+    for version, s in ((a, stats_a), (b, stats_b)):
+        rows.append((str(version), str(s.episodes), _value(s.mean), _interval(s.low, s.high), ""))
+    verdict = (
+        "undefined"
+        if diff.low is None
+        else f"{'better' if diff.low > 0 else 'worse'} (excludes 0)"
+        if diff.significant
+        else "no clear difference"
+    )
+    rows.append((f"{b} - {a}", "", _value(diff.diff, "+"), _interval(diff.low, diff.high, "+"), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n" for row in rows
+    )

@@ -1,19 +1,21 @@
-"""`/admin/policies`: create and list policies and set their owner (admin key). Their promote, rollback, pause and
+"""`/admin/policies`: create and list policies, set their owner and compare their versions' live reward (admin
+key). Their promote, rollback, pause and
 resume are `gateway.controllers.policy_actions`, shared with the dashboard."""
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, Request, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
-from gateway.controllers.params import PathName, PolicyName
+from gateway.controllers.params import ROW_ID_MAX, PathName, PolicyName
 from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import (
     BaseModelUnavailable,
@@ -26,7 +28,16 @@ from gateway.settings import Settings
 from storage.audit import record_audit
 from storage.database import Database
 from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, set_policy_owner
+from storage.version_rewards import (
+    CONFIDENCE,
+    VersionReward,
+    difference,
+    policy_version_rewards,
+)
 from trainer.control.policy_config import InvalidPolicyConfig
+
+VersionParam = Annotated[int, Parameter(ge=0, le=ROW_ID_MAX)]
+"""An adapter version in a query string."""
 
 
 class CreatePolicy(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,6 +79,57 @@ class CreatedPolicy(PolicyView):
     """A new policy, with what the admin should know about its configuration (an unsigned webhook, say)."""
 
     warnings: list[str] = msgspec.field(default_factory=list)
+
+
+class VersionRewardView(msgspec.Struct):
+    """The rewarded episodes a version served (by their first call) and their mean reward's 95% interval."""
+
+    version: int | None  # None: the base model
+    status: str | None
+    episodes: int
+    mean: float | None
+    std: float | None  # sample standard deviation; None below two episodes
+    ci_low: float | None  # None below two episodes
+    ci_high: float | None
+
+
+class VersionRewards(msgspec.Struct):
+    policy: str
+    since: datetime | None
+    confidence: float
+    versions: list[VersionRewardView]
+
+
+class DifferenceView(msgspec.Struct):
+    """Mean reward of b minus that of a and its 95% interval (Welch); `excludes_zero`: a real difference."""
+
+    diff: float | None
+    ci_low: float | None
+    ci_high: float | None
+    excludes_zero: bool
+
+
+class VersionComparison(msgspec.Struct):
+    policy: str
+    since: datetime | None
+    confidence: float
+    a: VersionRewardView
+    b: VersionRewardView
+    difference: DifferenceView
+
+
+def version_reward_view(row: VersionReward) -> VersionRewardView:
+    s = row.stats
+    return VersionRewardView(row.version, row.status, s.episodes, s.mean, s.std, s.low, s.high)
+
+
+async def _version_rewards(session: AsyncSession, name: str, since: datetime | None) -> list[VersionReward]:
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    rows = await policy_version_rewards(session, name, since)
+    if rows is None:
+        raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+    return rows
 
 
 async def policy_views(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
@@ -186,3 +248,43 @@ class PoliciesController(Controller):
         await session.commit()
         [view] = await policy_views(session, name)
         return view
+
+    @get("/{name:str}/versions/rewards")
+    async def version_rewards(
+        self,
+        name: FromPath[PathName],
+        session: NamedDependency[AsyncSession],
+        since: FromQuery[datetime | None] = None,
+    ) -> VersionRewards:
+        """Live reward of every version: the rewarded episodes each served (by their first call) since `since`
+        (ISO 8601, UTC when it has no offset; default all time), their mean, standard deviation and 95%
+        interval. Admin keys see every project's episodes, as on the other admin routes."""
+        rows = await _version_rewards(session, name, since)
+        return VersionRewards(name, since, CONFIDENCE, [version_reward_view(row) for row in rows])
+
+    @get("/{name:str}/versions/compare")
+    async def compare_versions(
+        self,
+        name: FromPath[PathName],
+        a: FromQuery[VersionParam],
+        b: FromQuery[VersionParam],
+        session: NamedDependency[AsyncSession],
+        since: FromQuery[datetime | None] = None,
+    ) -> VersionComparison:
+        """Live reward of versions `a` and `b` and the difference b - a with its 95% interval (Welch);
+        `excludes_zero` when the interval lies on one side of 0. 404 for an unknown policy or version."""
+        rows = {row.version: row for row in await _version_rewards(session, name, since)}
+        for param, version in (("a", a), ("b", b)):
+            if version not in rows:
+                raise NotFound(
+                    f"policy {name!r} has no version {version}", param=param, code="version_not_found"
+                )
+        found = difference(rows[a].stats, rows[b].stats)
+        return VersionComparison(
+            name,
+            since,
+            CONFIDENCE,
+            version_reward_view(rows[a]),
+            version_reward_view(rows[b]),
+            DifferenceView(found.diff, found.low, found.high, found.significant),
+        )

@@ -16,12 +16,13 @@ from litestar import Controller, Request, get
 from litestar.di import NamedDependency
 from litestar.params import FromPath, QueryParameter
 from litestar.response import Redirect, Template
+from markupsafe import Markup
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of
 from gateway.controllers.params import PathName, RowId
 from gateway.dashboard.actions import safe_next
-from gateway.dashboard.charts import Chart, Marker, Series, number_axis, render, time_axis
+from gateway.dashboard.charts import Axis, Chart, Marker, Series, number_axis, render, time_axis
 from gateway.dashboard.formatting import milliseconds, seconds, unit_of
 from gateway.dashboard.sessions import SessionSigner, requires_login, session_of
 from gateway.errors import InvalidRequest, NotFound
@@ -48,6 +49,7 @@ from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollups import refresh_if_stale
+from storage.version_rewards import VersionReward, policy_version_rewards
 from trainer.control.policy_config import InvalidPolicyConfig, load_policy_config
 from trainer.control.run_logs import run_log_path
 
@@ -55,6 +57,10 @@ T = TypeVar("T")
 PAGE_SIZE = 50
 LOG_TAIL_BYTES = 64 * 1024
 # window -> (length, bucket): about a hundred points per chart.
+LIVE_REWARD_WINDOW = timedelta(days=30)
+"""The policy page's live reward per version counts the episodes started this long ago at most: the overview's
+longest window, and a bound on the rows one page view sums."""
+
 WINDOWS: dict[str, tuple[timedelta, int]] = {
     "1h": (timedelta(hours=1), 60),
     "6h": (timedelta(hours=6), 300),
@@ -476,10 +482,12 @@ class DashboardPages(Controller):
         name: FromPath[PathName],
         session: NamedDependency[AsyncSession],
     ) -> Template:
-        """One policy: versions (promote, rollback), schedule (pause, resume), configuration, recent changes."""
+        """One policy: versions (promote, rollback) and their live reward, schedule (pause, resume), configuration,
+        recent changes."""
         info = await get_policy(session, name)
         if info is None:
             raise NotFound(f"no policy named {name!r}", code="policy_not_found")
+        live = await policy_version_rewards(session, name, datetime.now(UTC) - LIVE_REWARD_WINDOW) or []
         try:
             effective: dict[str, Any] | None = load_policy_config(info.config).model_dump(mode="json")
             problem = None
@@ -498,6 +506,9 @@ class DashboardPages(Controller):
                 problem=problem,
                 audit=await list_audit(session, target=name, limit=20),
                 runs=await list_runs(session, name, None, 10),
+                live=list(reversed(live)),
+                live_chart=_live_reward_chart(live),
+                live_days=LIVE_REWARD_WINDOW.days,
             ),
         )
 
@@ -794,3 +805,29 @@ def _step_charts(metrics: dict[str, Any]) -> list[Any]:
             )
         )
     return charts
+
+
+def _live_reward_chart(rows: Sequence[VersionReward]) -> Markup | None:
+    """Mean live reward by version between the bounds of its 95% interval; None until a version has a reward."""
+    rewarded = [row for row in rows if row.version is not None and row.stats.mean is not None]
+    if not rewarded:
+        return None
+    bounded = [row for row in rewarded if row.stats.low is not None]
+
+    def line(
+        name: str, rows: Sequence[VersionReward], pick: Callable[[VersionReward], float | None]
+    ) -> Series:
+        return Series(name, [(float(row.version or 0), pick(row) or 0.0) for row in rows])
+
+    return render(
+        Chart(
+            "Live reward by version, with its 95% interval",
+            [
+                line("mean", rewarded, lambda row: row.stats.mean),
+                line("95% upper", bounded, lambda row: row.stats.high),
+                line("95% lower", bounded, lambda row: row.stats.low),
+            ],
+            Axis(lambda x: f"v{x:g}", steps=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)),
+            y_label="mean reward",
+        )
+    )

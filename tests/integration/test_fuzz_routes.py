@@ -216,6 +216,20 @@ ROUTES = [
         for action in ("rollback", "judge", "retention", "pause", "resume")
     ],
     Route(
+        "GET",
+        "/admin/policies/{name}/versions/rewards",
+        ADMIN_KEY,
+        params={"name": "nope"},
+        query={"since": ["yesterday", "2026-13-01", "%00", "5"]},
+    ),
+    Route(
+        "GET",
+        "/admin/policies/{name}/versions/compare",
+        ADMIN_KEY,
+        params={"name": "nope"},
+        query={"a": ["abc", "-1", "99999999999999999999999", "1e400", ""], "b": ["1.5", "%00"]},
+    ),
+    Route(
         "POST",
         "/admin/policies/{name}/train",
         ADMIN_KEY,
