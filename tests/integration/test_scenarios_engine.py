@@ -30,6 +30,11 @@ def write(vllm_server: VLLMServer, seed: int) -> WrittenScenarios:
 
 
 def test_a_seeded_writer_writes_the_same_scenarios_again(vllm_server: VLLMServer) -> None:
+    # The first request of a prompt vLLM's prefix cache does not hold is computed in one pass, later ones from
+    # the cached prefix, with logits different in their last bits: at temperature 1 the cold request drew other
+    # scenarios than every warm rerun (measured: 1 request and two scenarios, then 2 requests and two others,
+    # four times). The claim is a rerun's, so the comparison starts with the writer's prompt cached.
+    write(vllm_server, 5)
     first, again, other = write(vllm_server, 5), write(vllm_server, 5), write(vllm_server, 6)
     assert first.messages and first == again
     # at temperature 1 the seed is what made them equal: another seed samples other scenarios
