@@ -49,6 +49,30 @@ def bearer(secret: str) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------- the owner's rules
+
+
+def add_policy(
+    url: str,
+    name: str,
+    config: dict[str, Any] | None = None,
+    *,
+    project: str | None = None,
+    migrate: bool = False,
+) -> None:
+    """Create `name` on base model `base` straight in the database (`migrate`: on a database not yet created)."""
+
+    async def seed() -> None:
+        if migrate:
+            await upgrade_database(async_database_url(url))
+        database = Database(async_database_url(url))
+        async with database.session() as session:
+            await create_policy(session, name, "base", config, project=project)
+            await session.commit()
+        await database.dispose()
+
+    asyncio.run(seed())
+
+
 def test_a_policy_belongs_to_its_creators_project_unless_shared_or_given() -> None:
     assert policy_owner(None, False, "shop") == "shop"
     assert policy_owner("ops", False, "shop") == "ops"
@@ -243,14 +267,7 @@ def test_an_owned_policy_refuses_other_projects_and_never_learns_from_them(
     alpha = create_key(gw, "alpha-app", "alpha")
     beta = create_key(gw, "beta-app", "beta")
 
-    async def seed() -> None:
-        database = Database(async_database_url(database_url))
-        async with database.session() as session:
-            await create_policy(session, MODEL, "base")  # shared, as every policy before owners existed
-            await session.commit()
-        await database.dispose()
-
-    asyncio.run(seed())
+    add_policy(database_url, MODEL)  # shared, as every policy before owners existed
     # Shared: both projects call it, both projects' episodes are its.
     alpha_episodes = [converse(gw, alpha, "good alpha one"), converse(gw, alpha, "good alpha two")]
     beta_episodes = [converse(gw, beta, "beta-secret one"), converse(gw, beta, "beta-secret two")]
@@ -331,16 +348,7 @@ def test_the_cli_gives_a_policy_to_a_project_and_shares_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = f"sqlite:///{tmp_path}/cli.db"
-
-    async def seed() -> None:
-        await upgrade_database(async_database_url(url))
-        database = Database(async_database_url(url))
-        async with database.session() as session:
-            await create_policy(session, "bot", "base", project="shop")
-            await session.commit()
-        await database.dispose()
-
-    asyncio.run(seed())
+    add_policy(url, "bot", project="shop", migrate=True)
     flags = ["--database-url", url, "--data-dir", str(tmp_path)]
     assert main(["policy", "list", *flags]) == 0
     assert "\tproject=shop\t" in capsys.readouterr().out
@@ -355,16 +363,7 @@ def test_the_cli_gives_a_policy_to_a_project_and_shares_it(
 
 def test_an_import_lands_in_the_owners_project(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/import.db"
-
-    async def seed() -> None:
-        await upgrade_database(async_database_url(url))
-        database = Database(async_database_url(url))
-        async with database.session() as session:
-            await create_policy(session, "bot", "base", project="shop")
-            await session.commit()
-        await database.dispose()
-
-    asyncio.run(seed())
+    add_policy(url, "bot", project="shop", migrate=True)
     conversation = {
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     }
@@ -384,15 +383,7 @@ def test_an_owned_policys_tools_answer_only_its_project_and_admin_keys(
     url = f"sqlite:///{tmp_path}/tools.db"
     gw = make_gateway(url, admin_key="adm", api_keys="sk-env")
     tools = {"tools": {"functions": ["tests.support.tool_functions:capital"]}}
-
-    async def seed() -> None:
-        database = Database(async_database_url(url))
-        async with database.session() as session:
-            await create_policy(session, "agent", "base", tools, project="shop")
-            await session.commit()
-        await database.dispose()
-
-    asyncio.run(seed())
+    add_policy(url, "agent", tools, project="shop")
     shop = create_key(gw, "shop-app", "shop")
     body = {
         "jsonrpc": "2.0",
