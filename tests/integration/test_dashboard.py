@@ -25,6 +25,7 @@ from tests.support.dashboard import csrf_token, login, seed_policy_runs, seed_un
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_upstream import REFUSAL
+from tests.support.training_children import RECORDS_ITS_RUN
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scheduler import JobRunner, RunnerConfig
 
@@ -409,27 +410,19 @@ def test_the_dashboard_can_be_switched_off(make_gateway: MakeGateway, database_u
 
 # A training child as the scheduler starts one: a line before it records its run (as the trainer's start-up
 # does), a line per request as an unquieted client would log, its run's lines, and no candidate (exit 3).
-TRAINING_CHILD = """
-import asyncio, sys
-from storage.database import Database
-from storage.jobs import start_job_run
-
+TRAINING_CHILD = (
+    RECORDS_ITS_RUN
+    + """
 print("starting", sys.argv[3], flush=True)
 if sys.argv[3] == "broken":
     sys.exit(1)
-
-async def record() -> None:
-    database = Database(sys.argv[1])
-    async with database.session() as session:
-        await start_job_run(session, int(sys.argv[2]), "train", None, {})
-        await session.commit()
-    await database.dispose()
 
 asyncio.run(record())
 for step in range(3):
     print(f"step {step} of", sys.argv[3], flush=True)
 sys.exit(3)
 """
+)
 
 
 def test_a_run_page_shows_that_runs_own_log(make_gateway: MakeGateway, database_url: str) -> None:

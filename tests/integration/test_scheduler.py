@@ -32,6 +32,7 @@ from storage.models import Adapter, Call, Episode, TrainingRun
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
 from tests.conftest import query
 from tests.support.polling import wait_until_async
+from tests.support.training_children import RECORDS_ITS_RUN
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
 
@@ -267,17 +268,10 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
 
 
 # A training child that records its run as the trainer does, tells the engine it runs, then trains "forever".
-LONG_CHILD = """
-import asyncio, os, subprocess, sys, time, urllib.request
-from storage.database import Database
-from storage.jobs import start_job_run
-
-async def record() -> None:
-    database = Database(sys.argv[1])
-    async with database.session() as session:
-        await start_job_run(session, int(sys.argv[2]), "train", None, {})
-        await session.commit()
-    await database.dispose()
+LONG_CHILD = (
+    RECORDS_ITS_RUN
+    + """
+import os, subprocess, time, urllib.request
 
 asyncio.run(record())
 urllib.request.urlopen(sys.argv[3]).read()
@@ -288,6 +282,7 @@ rank = subprocess.Popen(
 open(sys.argv[4], "w").write(f"{os.getpid()} {rank.pid}")
 time.sleep(600)
 """
+)
 
 
 def test_stopping_the_scheduler_mid_training_kills_the_child_records_the_run_and_wakes_the_engine(
