@@ -73,7 +73,7 @@ def train_command(args: argparse.Namespace) -> int:
     from migrations.runner import open_database
     from storage.policies import PolicyInfo, get_policy
     from trainer.control.policy_config import load_policy_config
-    from trainer.control.scheduler import TrainOptions
+    from trainer.control.scheduler import OwnerUnreachable, TrainOptions
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -93,9 +93,13 @@ def train_command(args: argparse.Namespace) -> int:
     if policy is None:
         log.error("no policy named %r", args.policy)
         return 2
-    job = config.training_job(
-        args.policy, config.base_model_path(policy.base_model), options, project=policy.project
-    )
+    try:
+        job = config.training_job(
+            args.policy, config.base_model_path(policy.base_model), options, project=policy.project
+        )
+    except OwnerUnreachable as exc:
+        log.error("%s", exc)
+        return 2
     if args.print_job:
         sys.stdout.buffer.write(job.encode())
         return 0

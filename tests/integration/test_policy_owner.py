@@ -35,7 +35,7 @@ from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_judge import ScriptedJudge
 from trainer.control.policy_config import load_policy_config
-from trainer.control.scheduler import TrainOptions
+from trainer.control.scheduler import OwnerUnreachable, TrainOptions
 from trainer.learner.dataset import DataReport
 from trainer.learner.job import TrainRequest, _load_trajectories
 
@@ -92,8 +92,11 @@ def test_the_gate_and_resampling_call_another_owners_policy_with_the_admin_key(t
     options = TrainOptions({}, None, None)
     assert config.training_job("bot", "base", options, project="shop").engine_api_key == "adm"
     assert config.training_job("bot", "base", options).engine_api_key == "sk-env"
+    # Without an admin key nothing the trainer holds is answered: refused at once, not waited out as a 404.
     without_admin = runner_config(Settings.load(data_dir=tmp_path, api_keys=["sk-env"]))
-    assert without_admin.gateway_key("shop") == "sk-env"
+    assert without_admin.gateway_key(None) == "sk-env"
+    with pytest.raises(OwnerUnreachable, match="set KAIZEN_ADMIN_KEY"):
+        without_admin.training_job("bot", "base", options, project="shop")
 
 
 # ------------------------------------------------------------------------------------------ every SQL selector

@@ -67,6 +67,10 @@ ENGINE_WAKE_PATH = "/wake_up"
 JOB_KINDS: tuple[JobKind, ...] = ("judge", "train", "retention")
 
 
+class OwnerUnreachable(RuntimeError):
+    """The gate and resampling have no key that an owned policy answers."""
+
+
 class JobBusy(RuntimeError):
     """Another job of the policy holds its lock (in this process or another)."""
 
@@ -127,9 +131,15 @@ class RunnerConfig:
     def gateway_key(self, project: str | None) -> str | None:
         """The key the gate and resampling present for a policy owned by `project` (None: shared). An owned
         policy answers only its project's keys and admin keys; the environment's keys are the built-in
-        project's, so another owner's policy is sampled with the admin key when there is one."""
-        if project is None or project == DEFAULT_PROJECT or not self.admin_api_key:
+        project's, so another owner's policy is sampled with the admin key. Without one, every call would be
+        its 404, which the sampler waits out as a restarting engine's: refuse at once instead."""
+        if project is None or project == DEFAULT_PROJECT:
             return self.gate_api_key
+        if not self.admin_api_key:
+            raise OwnerUnreachable(
+                f"the policy is owned by project {project!r}, whose policies answer only that project's keys "
+                "and admin keys: set KAIZEN_ADMIN_KEY so that the gate and resampling can call it"
+            )
         return self.admin_api_key
 
     def training_job(
@@ -150,7 +160,7 @@ class RunnerConfig:
             judge=self.judge,
             webhook_secret=self.webhook_secret,
             engine_url=self.gate_url if self.resample_through_gateway else None,
-            engine_api_key=self.gateway_key(project),
+            engine_api_key=self.gateway_key(project) if self.resample_through_gateway else None,
             engine_max_n=self.max_n,
             overrides=dict(options.overrides),
             since=options.since,
@@ -400,9 +410,13 @@ class JobRunner:
             problem = f"base model {policy.base_model!r}: {exc!r}\n"
             log.write(problem)
             return None, collections.deque([problem]), None
-        job = self.config.training_job(
-            policy.name, base_model, options, lock_owner=owner, project=policy.project
-        )
+        try:
+            job = self.config.training_job(
+                policy.name, base_model, options, lock_owner=owner, project=policy.project
+            )
+        except OwnerUnreachable as exc:
+            log.write(f"{exc}\n")
+            return None, collections.deque([f"{exc}\n"]), None
         argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
         # A group of its own (stopping it reaches torchrun's ranks too), yet SIGTERMed when this process dies, even
