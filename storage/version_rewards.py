@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from statistics import NormalDist
 from typing import Any
 
@@ -106,8 +106,8 @@ async def version_rewards(
     """Every serving version of the policy's rewarded episodes started at or after `since` (None: all time),
     keyed by version (None: the base model served the first call, or the episode has no call)."""
     query = _sums().where(Episode.policy == policy)
-    if since is not None:
-        query = query.where(Episode.created_at >= since)
+    if since is not None:  # a time without a zone is UTC's, as every stored time is
+        query = query.where(Episode.created_at >= (since if since.tzinfo else since.replace(tzinfo=UTC)))
     return {
         row.adapter_version: RewardStats.of_sums(int(row.n), float(row.total), float(row.squares))
         for row in await session.execute(query)
@@ -153,3 +153,26 @@ async def policy_version_rewards(
     gone = sorted(stats, key=lambda version: (version is None, version or 0))
     rows.extend(VersionReward(version, None, stats[version]) for version in gone)
     return rows
+
+
+class UnknownVersion(LookupError):
+    """A version the policy never had; `param` names which of the two compared it was."""
+
+    def __init__(self, policy: str, version: int, param: str) -> None:
+        super().__init__(f"policy {policy!r} has no version {version}")
+        self.param = param
+
+
+async def compare_version_rewards(
+    session: AsyncSession, policy: str, a: int, b: int, since: datetime | None = None
+) -> tuple[VersionReward, VersionReward, Difference] | None:
+    """Versions `a` and `b` of the policy with their live reward, and b - a (None: no such policy); raises
+    `UnknownVersion` for a version it never had."""
+    rows = await policy_version_rewards(session, policy, since)
+    if rows is None:
+        return None
+    by_version = {row.version: row for row in rows}
+    for param, version in (("a", a), ("b", b)):
+        if version not in by_version:
+            raise UnknownVersion(policy, version, param)
+    return by_version[a], by_version[b], difference(by_version[a].stats, by_version[b].stats)

@@ -8,11 +8,10 @@ import asyncio
 import json
 import logging
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.commands.options import add_common_options, configure_logging, load_settings
+from gateway.commands.options import add_common_options, configure_logging, load_settings, parse_since
 
 if TYPE_CHECKING:
     from storage.version_rewards import Difference, RewardStats
@@ -64,17 +63,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     compare.add_argument("b", type=int, help="The version compared (e.g. a candidate).")
     compare.add_argument(
         "--since",
-        type=_utc,
         metavar="TIME",
-        help="Only episodes started at or after this ISO 8601 time (UTC without an offset; default: all time).",
+        help="Only episodes started at or after this time: 24h, 7d (ago) or an ISO 8601 time (UTC without an "
+        "offset); default: all time.",
     )
     add_common_options(compare)
     compare.set_defaults(func=compare_command)
-
-
-def _utc(text: str) -> datetime:
-    at = datetime.fromisoformat(text)
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def add_owner_options(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -237,25 +231,26 @@ def switch_command(args: argparse.Namespace) -> int:
 def compare_command(args: argparse.Namespace) -> int:
     """`kaizen policy compare P A B`: a table of both versions' live reward and of B - A."""
     from migrations.runner import open_database
-    from storage.version_rewards import difference, policy_version_rewards
+    from storage.version_rewards import compare_version_rewards
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
+    try:
+        since = parse_since(args.since) if args.since else None
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
 
     async def run() -> str:
         async with (
             open_database(settings.database_url, migrate=False) as database,
             database.session() as session,
         ):
-            rows = await policy_version_rewards(session, args.name, args.since)
-        if rows is None:
+            compared = await compare_version_rewards(session, args.name, args.a, args.b, since)
+        if compared is None:
             raise LookupError(f"no policy named {args.name!r}")
-        stats = {row.version: row.stats for row in rows}
-        for version in (args.a, args.b):
-            if version not in stats:
-                raise LookupError(f"policy {args.name!r} has no version {version}")
-        a, b = stats[args.a], stats[args.b]
-        return compare_table(args.a, a, args.b, b, difference(a, b))
+        a, b, found = compared
+        return compare_table(args.a, a.stats, args.b, b.stats, found)
 
     try:
         table = asyncio.run(run())

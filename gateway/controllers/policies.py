@@ -4,7 +4,7 @@ resume are `gateway.controllers.policy_actions`, shared with the dashboard."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 import msgspec
@@ -30,8 +30,9 @@ from storage.database import Database
 from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, set_policy_owner
 from storage.version_rewards import (
     CONFIDENCE,
+    UnknownVersion,
     VersionReward,
-    difference,
+    compare_version_rewards,
     policy_version_rewards,
 )
 from trainer.control.policy_config import InvalidPolicyConfig
@@ -123,13 +124,8 @@ def version_reward_view(row: VersionReward) -> VersionRewardView:
     return VersionRewardView(row.version, row.status, s.episodes, s.mean, s.std, s.low, s.high)
 
 
-async def _version_rewards(session: AsyncSession, name: str, since: datetime | None) -> list[VersionReward]:
-    if since is not None and since.tzinfo is None:
-        since = since.replace(tzinfo=UTC)
-    rows = await policy_version_rewards(session, name, since)
-    if rows is None:
-        raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
-    return rows
+def _no_policy(name: str) -> NotFound:
+    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
 
 
 async def policy_views(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
@@ -259,7 +255,9 @@ class PoliciesController(Controller):
         """Live reward of every version: the rewarded episodes each served (by their first call) since `since`
         (ISO 8601, UTC when it has no offset; default all time), their mean, standard deviation and 95%
         interval. Admin keys see every project's episodes, as on the other admin routes."""
-        rows = await _version_rewards(session, name, since)
+        rows = await policy_version_rewards(session, name, since)
+        if rows is None:
+            raise _no_policy(name)
         return VersionRewards(name, since, CONFIDENCE, [version_reward_view(row) for row in rows])
 
     @get("/{name:str}/versions/compare")
@@ -273,18 +271,18 @@ class PoliciesController(Controller):
     ) -> VersionComparison:
         """Live reward of versions `a` and `b` and the difference b - a with its 95% interval (Welch);
         `excludes_zero` when the interval lies on one side of 0. 404 for an unknown policy or version."""
-        rows = {row.version: row for row in await _version_rewards(session, name, since)}
-        for param, version in (("a", a), ("b", b)):
-            if version not in rows:
-                raise NotFound(
-                    f"policy {name!r} has no version {version}", param=param, code="version_not_found"
-                )
-        found = difference(rows[a].stats, rows[b].stats)
+        try:
+            compared = await compare_version_rewards(session, name, a, b, since)
+        except UnknownVersion as exc:
+            raise NotFound(str(exc), param=exc.param, code="version_not_found") from exc
+        if compared is None:
+            raise _no_policy(name)
+        first, second, found = compared
         return VersionComparison(
             name,
             since,
             CONFIDENCE,
-            version_reward_view(rows[a]),
-            version_reward_view(rows[b]),
+            version_reward_view(first),
+            version_reward_view(second),
             DifferenceView(found.diff, found.low, found.high, found.significant),
         )

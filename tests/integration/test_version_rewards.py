@@ -169,6 +169,11 @@ def test_compare_from_the_cli(database_url: str, tmp_path: Path, capsys: pytest.
     assert "+0.3000  [-0.3883, +0.9883]  no clear difference" in lines[3]
     assert main(["policy", "compare", "bot", "0", "9", *flags]) == 2
     assert main(["policy", "compare", "nobody", "0", "1", *flags]) == 2
+    # --since reads like every other command's: a relative age leaves out version 1's three-day-old 0.0.
+    assert main(["policy", "compare", "bot", "0", "1", "--since", "1d", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[:3] == ["1", "4", "1.0000"]
+    assert main(["policy", "compare", "bot", "0", "1", "--since", "lately", *flags]) == 2
 
 
 def test_the_policy_page_shows_each_versions_live_reward(
