@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from gateway.base_models import hub_model_problem, local_directory, resolve_base_model
 from storage.audit import record_audit
 from storage.database import Database
@@ -28,6 +30,7 @@ from storage.policies import (
     add_adapter,
     create_policy,
     get_policy,
+    set_policy_owner,
 )
 from trainer.control.model_jobs import (
     BASE_MODEL_UNAVAILABLE,
@@ -64,6 +67,24 @@ def policy_owner(project: str | None, shared: bool, creator: str) -> str | None:
     owner = creator if project is None else project
     if not owner or len(owner) > 128 or any(ord(c) < 32 or ord(c) == 127 for c in owner):
         raise InvalidOwner("project must be 1-128 characters without control characters")
+    return owner
+
+
+async def change_policy_owner(
+    session: AsyncSession, name: str, project: str | None, shared: bool, actor: str
+) -> str | None:
+    """Give the policy `name` to `project`, or share it (`shared`), with an audit record; returns the new owner
+    (None: shared). Raises `InvalidOwner` unless exactly one of the two is given well, and `LookupError` for a
+    policy that does not exist. The caller commits."""
+    if project is None and not shared:
+        raise InvalidOwner("give a project or share the policy: `project` or `shared`")
+    owner = policy_owner(project, shared, "")
+    policy = await get_policy(session, name)
+    if policy is None:
+        raise LookupError(f"no policy named {name!r}")
+    await set_policy_owner(session, policy.id, owner)
+    details = {"from_project": policy.project, "project": owner, "shared": owner is None}
+    await record_audit(session, actor, "policy.owner", name, details)
     return owner
 
 

@@ -85,26 +85,18 @@ def add_owner_options(parser: argparse.ArgumentParser, default: str | None) -> N
 
 def owner_command(args: argparse.Namespace) -> int:
     """`kaizen policy owner P --project X | --shared`."""
-    from gateway.policies import InvalidOwner, policy_owner
+    from gateway.policies import InvalidOwner, change_policy_owner
     from migrations.runner import open_database
-    from storage.audit import record_audit
-    from storage.policies import get_policy, set_policy_owner
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
 
     async def run() -> str | None:
-        owner = policy_owner(args.project, args.shared, "")
         async with (
             open_database(settings.database_url, migrate=False) as database,
             database.session() as session,
         ):
-            policy = await get_policy(session, args.name)
-            if policy is None:
-                raise LookupError(f"no policy named {args.name!r}")
-            await set_policy_owner(session, policy.id, owner)
-            details = {"from_project": policy.project, "project": owner, "shared": owner is None}
-            await record_audit(session, "cli", "policy.owner", args.name, details)
+            owner = await change_policy_owner(session, args.name, args.project, args.shared, "cli")
             await session.commit()
         return owner
 

@@ -20,14 +20,14 @@ from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
 from gateway.policies import (
     BaseModelUnavailable,
     InvalidOwner,
+    change_policy_owner,
     check_policy_urls,
     create_policy_with_initial_adapter,
     policy_owner,
 )
 from gateway.settings import Settings
-from storage.audit import record_audit
 from storage.database import Database
-from storage.policies import PolicyExists, get_policy, list_adapters, list_policies, set_policy_owner
+from storage.policies import PolicyExists, list_adapters, list_policies
 from storage.version_rewards import (
     CONFIDENCE,
     UnknownVersion,
@@ -224,23 +224,12 @@ class PoliciesController(Controller):
 
         Training and judging follow at once: an owned policy's next run reads its owner's episodes only.
         Gateways refuse other projects' calls from their next policy refresh (`KAIZEN_POLICY_REFRESH_S`)."""
-        if data.project is None and not data.shared:
-            raise InvalidRequest("give `project` or `shared: true`", param="project", code="invalid_value")
         try:
-            owner = policy_owner(data.project, data.shared, "")
+            await change_policy_owner(session, name, data.project, data.shared, principal_of(request).actor)
         except InvalidOwner as exc:
             raise InvalidRequest(str(exc), param="project", code="invalid_value") from exc
-        policy = await get_policy(session, name)
-        if policy is None:
-            raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
-        await set_policy_owner(session, policy.id, owner)
-        await record_audit(
-            session,
-            principal_of(request).actor,
-            "policy.owner",
-            name,
-            {"from_project": policy.project, "project": owner, "shared": owner is None},
-        )
+        except LookupError as exc:
+            raise _no_policy(name) from exc
         await session.commit()
         [view] = await policy_views(session, name)
         return view
