@@ -20,7 +20,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
@@ -72,6 +72,16 @@ class Principal:
 
     def may_use(self, model: str, policy: str | None) -> bool:
         return self.models is None or model in self.models or (policy is not None and policy in self.models)
+
+    def acting_on(self, owner: str | None) -> Principal | None:
+        """Who this key's calls to a policy owned by `owner` (None: shared) are made and recorded as; None: it
+        may not call it. Admin keys may, and their calls are recorded under the owner, whose episodes alone
+        such a policy trains on."""
+        if owner is None or owner == self.project:
+            return self
+        if self.all_projects:
+            return replace(self, project=owner)
+        return None
 
 
 OPEN = Principal("open", "open", CLIENT_SCOPES, DEFAULT_PROJECT)

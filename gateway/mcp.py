@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from litestar.connection import ASGIConnection
@@ -295,10 +295,9 @@ def requires_policy_tools(
             )
         async with database.session() as session:
             found = await get_policy(session, policy)
-        owner = None if found is None else found.project
-        if found is None or (owner is not None and owner != principal.project and not principal.all_projects):
+        acting = None if found is None else principal.acting_on(found.project)
+        if acting is None:
             raise NotFound(f"no policy named {policy!r}", param="policy", code="policy_not_found")
-        if owner is not None and owner != principal.project:
-            set_principal(connection, replace(principal, project=owner))
+        set_principal(connection, acting)
 
     return guard

@@ -19,7 +19,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -145,11 +145,9 @@ class ModelRouter:
         another project's keys' 404, the answer for a model that does not exist, so they learn nothing of it.
         Admin keys, which see every project, may call it: their call is recorded under the owner, whose
         episodes alone the policy trains on (a bootstrap calls its policy with the admin key)."""
-        owner = self.owners.get(route.policy) if route.policy is not None else None
-        if owner is None or owner == principal.project:
-            return principal
-        if principal.all_projects:
-            return replace(principal, project=owner)
+        acting = principal.acting_on(self.owners.get(route.policy) if route.policy is not None else None)
+        if acting is not None:
+            return acting
         raise NotFound(
             f"The model `{model}` does not exist or you do not have access to it.",
             param="model",
@@ -158,8 +156,7 @@ class ModelRouter:
 
     def visible(self, name: str, principal: Principal) -> bool:
         """Whether /v1/models shows `name` (a policy, or an engine model) to this key."""
-        owner = self.owners.get(name)
-        return owner is None or owner == principal.project or principal.all_projects
+        return principal.acting_on(self.owners.get(name)) is not None
 
     def redactor(self, policy: str | None) -> Redactor | None:
         """The redactor for calls stored under `policy`, or None when they are stored verbatim."""
