@@ -300,8 +300,6 @@ class CaptureSink:
         self._directory: CaptureDirectory | None = None
         self.memory_limit_bytes = memory_limit_bytes
         self.require_durable = require_durable
-        # Strict mode while the log cannot be written: new calls are refused before they reach the engine.
-        self.refusing = False
         self._log_error: str | None = None  # why the log cannot be written, while it cannot
         self._log_down_at = 0.0  # since when (monotonic)
         self._next_log_try = 0.0
@@ -375,6 +373,11 @@ class CaptureSink:
         return self._memory_bytes - self.writer.memory_settled_bytes
 
     @property
+    def refusing(self) -> bool:
+        """Strict mode while the log cannot be written: new calls are refused before they reach the engine."""
+        return self.require_durable and self._log_error is not None
+
+    @property
     def state(self) -> str:
         """`log` (durable), `memory` (calls answered but held in memory) or `refusing` (`require_durable`)."""
         if self._log_error is None:
@@ -387,7 +390,6 @@ class CaptureSink:
         self._log_error = str(exc)
         self._log_down_at = now
         self._next_log_try = now + _LOG_RETRY_S
-        self.refusing = self.require_durable
         self._outage = CaptureStats()
         if now - self._reported_at < _OUTAGE_REPORT_S:
             return  # it came back and failed again within the interval: the next report covers it
@@ -443,7 +445,6 @@ class CaptureSink:
             self._outage.refused,
         )
         self._log_error = None
-        self.refusing = False
 
     @property
     def closing(self) -> bool:
