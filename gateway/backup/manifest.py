@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import msgspec
 
@@ -67,34 +69,50 @@ class _Header(msgspec.Struct):
     kaizen_version: str = "?"
 
 
-def copy_file(source: Path, target: Path, root: Path, *, whole_lines: bool = False) -> BackupFile:
-    """Copy `source` to `target` (under `root`) and hash it on the way. `whole_lines`: stop after the last
-    newline, leaving out a line being appended right now (a capture log segment's)."""
+@dataclass
+class _Streamed:
+    size: int = 0
+    sha256: str = ""
+    lines: int = 0
+
+
+def _stream(
+    reader: BinaryIO, write: Callable[[bytes], object] | None = None, *, whole_lines: bool = False
+) -> _Streamed:
+    """Read to the end in chunks, hashing what is read and counting its lines, passing each chunk to `write`.
+    `whole_lines`: stop after the last newline, leaving out a line being appended right now."""
     digest = hashlib.sha256()
-    size = 0
+    streamed = _Streamed()
+    pending = b""
+    while chunk := reader.read(_CHUNK):
+        if whole_lines:
+            data = pending + chunk
+            end = data.rfind(b"\n") + 1
+            chunk, pending = data[:end], data[end:]
+        if write is not None:
+            write(chunk)
+        digest.update(chunk)
+        streamed.size += len(chunk)
+        streamed.lines += chunk.count(b"\n")
+    streamed.sha256 = digest.hexdigest()
+    return streamed
+
+
+def copy_file(source: Path, target: Path, root: Path, *, whole_lines: bool = False) -> tuple[BackupFile, int]:
+    """Copy `source` to `target` (under `root`), hashing it on the way; the entry and the lines copied.
+    `whole_lines`: stop after the last newline, leaving out a line being appended right now (a capture log
+    segment's)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with source.open("rb") as reader, target.open("wb") as writer:
-        pending = b""
-        while chunk := reader.read(_CHUNK):
-            if whole_lines:
-                data = pending + chunk
-                end = data.rfind(b"\n") + 1
-                chunk, pending = data[:end], data[end:]
-            writer.write(chunk)
-            digest.update(chunk)
-            size += len(chunk)
-    return BackupFile(target.relative_to(root).as_posix(), size, digest.hexdigest())
+        streamed = _stream(reader, writer.write, whole_lines=whole_lines)
+    return BackupFile(target.relative_to(root).as_posix(), streamed.size, streamed.sha256), streamed.lines
 
 
 def describe(path: Path, root: Path) -> BackupFile:
     """The manifest entry of a file already in the backup."""
-    digest = hashlib.sha256()
-    size = 0
     with path.open("rb") as reader:
-        while chunk := reader.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return BackupFile(path.relative_to(root).as_posix(), size, digest.hexdigest())
+        streamed = _stream(reader)
+    return BackupFile(path.relative_to(root).as_posix(), streamed.size, streamed.sha256)
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
@@ -137,12 +155,9 @@ def verify_files(root: Path, manifest: Manifest) -> None:
                 f"the backup is damaged: {entry.path} has {path.stat().st_size} bytes, the manifest says "
                 f"{entry.bytes}"
             )
-        digest = hashlib.sha256()
         with path.open("rb") as reader:
-            while chunk := reader.read(_CHUNK):
-                digest.update(chunk)
-                meter.add(len(chunk))
-        if digest.hexdigest() != entry.sha256:
+            streamed = _stream(reader, lambda chunk: meter.add(len(chunk)))
+        if streamed.sha256 != entry.sha256:
             raise BackupError(
                 f"the backup is damaged: {entry.path} does not match its SHA-256 in the manifest"
             )

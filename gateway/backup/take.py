@@ -87,7 +87,7 @@ def _copy_capture_log(data_dir: Path, work: Path) -> _Copied:
     for source in capture_log_files(data_dir):
         target = segment_path(work / CAPTURE, len(copied.files))
         try:
-            entry = copy_file(source, target, work, whole_lines=True)
+            entry, lines = copy_file(source, target, work, whole_lines=True)
         except FileNotFoundError:  # stored and deleted since it was listed: in the database snapshot to come
             target.unlink(missing_ok=True)
             continue
@@ -95,7 +95,7 @@ def _copy_capture_log(data_dir: Path, work: Path) -> _Copied:
             target.unlink()
             continue
         copied.files.append(entry)
-        copied.calls += target.read_bytes().count(b"\n")
+        copied.calls += lines
     log.info("capture log: %d calls in %d segments copied", copied.calls, len(copied.files))
     return copied
 
@@ -138,7 +138,7 @@ def _copy_adapters(
             target.mkdir(parents=True, exist_ok=True)
             for path in sorted(source.rglob("*")):
                 if path.is_file():
-                    copied.append(copy_file(path, target / path.relative_to(source), work))
+                    copied.append(copy_file(path, target / path.relative_to(source), work)[0])
                     meter.add(copied[-1].bytes)
         except FileNotFoundError:
             shutil.rmtree(target, ignore_errors=True)
@@ -159,7 +159,7 @@ def _copy_adapters(
 
 def _copy_data_files(data_dir: Path, work: Path) -> list[BackupFile]:
     return [
-        copy_file(data_dir / name, work / DATA / name, work)
+        copy_file(data_dir / name, work / DATA / name, work)[0]
         for name in DATA_FILES
         if (data_dir / name).is_file()
     ]
