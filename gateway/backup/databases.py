@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from gateway.backup.errors import BackupError
 from gateway.backup.manifest import DatabaseKind
 from gateway.backup.progress import file_size, mib, ticking
+from storage.wal_checkpoints import sqlite_path
 
 log = logging.getLogger("kaizen")
 
@@ -79,10 +80,10 @@ def database_kind(url: str) -> DatabaseKind:
 
 
 def sqlite_file(url: str) -> Path:
-    name = make_url(url).database
-    if not name or name == ":memory:":
-        raise BackupError("an in-memory SQLite database cannot be backed up or restored")
-    return Path(name)
+    try:
+        return Path(sqlite_path(url))
+    except ValueError as exc:
+        raise BackupError("an in-memory SQLite database cannot be backed up or restored") from exc
 
 
 async def read_contents(connection: AsyncConnection) -> Contents:
