@@ -56,11 +56,10 @@ from trainer.control.run_logs import run_log_path
 T = TypeVar("T")
 PAGE_SIZE = 50
 LOG_TAIL_BYTES = 64 * 1024
-# window -> (length, bucket): about a hundred points per chart.
-LIVE_REWARD_WINDOW = timedelta(days=30)
+POLICY_PAGE_REWARD_WINDOW = timedelta(days=30)
 """The policy page's live reward per version counts the episodes started this long ago at most: the overview's
 longest window, and a bound on the rows one page view sums."""
-
+# window -> (length, bucket): about a hundred points per chart.
 WINDOWS: dict[str, tuple[timedelta, int]] = {
     "1h": (timedelta(hours=1), 60),
     "6h": (timedelta(hours=6), 300),
@@ -487,7 +486,9 @@ class DashboardPages(Controller):
         info = await get_policy(session, name)
         if info is None:
             raise NotFound(f"no policy named {name!r}", code="policy_not_found")
-        live = await policy_version_rewards(session, name, datetime.now(UTC) - LIVE_REWARD_WINDOW) or []
+        live = (
+            await policy_version_rewards(session, name, datetime.now(UTC) - POLICY_PAGE_REWARD_WINDOW) or []
+        )
         try:
             effective: dict[str, Any] | None = load_policy_config(info.config).model_dump(mode="json")
             problem = None
@@ -508,7 +509,7 @@ class DashboardPages(Controller):
                 runs=await list_runs(session, name, None, 10),
                 live=list(reversed(live)),
                 live_chart=_live_reward_chart(live),
-                live_days=LIVE_REWARD_WINDOW.days,
+                live_days=POLICY_PAGE_REWARD_WINDOW.days,
             ),
         )
 
