@@ -3,8 +3,10 @@
 GRPO on a length-only reward (tests/support/gate_rewards.py `brevity`) at a high learning rate collapses the
 embedded 135M model into empty replies within a few rounds: the reward keeps rising while the replies stop
 answering anything. Measured on short questions (4 prompts x 8 samples, 16 new tokens, lr 1e-3): seeds 0-5
-all reached empty replies, after 2 to 8 updates (most within 4). The evaluation-gate test registers such an
-adapter as a candidate version.
+all reached empty replies, after 2 to 8 updates (most within 4). Not every run gets there: one CI run settled
+on one-word answers ("Canada", 5 characters on average), where every sample of a group scores the same and GRPO
+has no signal left, so a run that stalls is abandoned and the next seed tried. The evaluation-gate test
+registers such an adapter as a candidate version.
 """
 
 from __future__ import annotations
@@ -65,6 +67,29 @@ def train_until_collapsed(
     reward: Reward,
     prompts: Sequence[str],
     *,
+    seeds: Sequence[int] = (0, 1, 2),
+    min_empty_share: float = 0.9,
+) -> HackedCandidate:
+    """The first of `seeds` whose run collapses into (nearly) empty replies, saved at `target`; the last run
+    tried if none does (the caller's assertions then show its rounds)."""
+    if not seeds:
+        raise ValueError("at least one seed")
+    for seed in seeds:
+        result = train_once(
+            base_path, start, target, reward, prompts, min_empty_share=min_empty_share, seed=seed
+        )
+        if result.final.signals.empty_share >= min_empty_share:
+            break
+    return result
+
+
+def train_once(
+    base_path: str,
+    start: Path,
+    target: Path,
+    reward: Reward,
+    prompts: Sequence[str],
+    *,
     learning_rate: float = 1e-3,
     samples: int = 8,
     max_new_tokens: int = 16,
@@ -73,7 +98,7 @@ def train_until_collapsed(
     seed: int = 0,
 ) -> HackedCandidate:
     """GRPO from the adapter at `start` on `reward` until most fresh samples are empty (or `max_rounds`
-    updates ran), then save the adapter to `target` (atomically, as the trainer writes versions).
+    updates ran, or a round's groups had no reward variance to learn from), then save the adapter to `target` (atomically, as the trainer writes versions).
 
     Each round samples `samples` replies per prompt at temperature 1 (what the trainer learns from), scores
     them with `reward` as the gate's scorer would, and takes one update on the groups with reward variance;
@@ -132,9 +157,10 @@ def train_until_collapsed(
                         sample.logprobs,
                     )
                     batch.extend(tokenize(trajectory, advantage, tokenizer, cfg, DataReport()))
-            if batch:
-                run_update(model, batch, cfg, pad_id=int(tokenizer.pad_token_id), device=device)
-                result.updates += 1
+            if not batch:
+                break
+            run_update(model, batch, cfg, pad_id=int(tokenizer.pad_token_id), device=device)
+            result.updates += 1
         save_adapter(model, target)
     finally:
         del model, sampler
