@@ -77,6 +77,65 @@ class Adapter(Base):
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # When it first served traffic (a canary share, a split, a pin or promotion); NULL: never yet. The time from a
+    # reward to the version trained on it serving is measured to here.
+    serving_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Rollout(Base):
+    """A version of a policy serving beside its active version: a canary the gateway promotes or rolls back on
+    live evidence, a split set by hand, or a shadow that answers copies of calls nobody sees."""
+
+    __tablename__ = "rollouts"
+    __table_args__ = (Index("ix_rollouts_policy_status", "policy_id", "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"))
+    mode: Mapped[str] = mapped_column(String(16))  # canary | split | shadow
+    version: Mapped[int] = mapped_column(Integer)  # the version on trial
+    baseline_version: Mapped[int | None] = mapped_column(Integer)  # the active version it is compared with
+    share: Mapped[float] = mapped_column(Float)  # of the policy's traffic (shadow: of calls copied)
+    status: Mapped[str] = mapped_column(String(16))  # running | promoted | rolled_back | stopped
+    run_id: Mapped[int | None] = mapped_column(Integer)  # the training run that made the version, if any
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the decision rule it runs under
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the last evaluation
+    reason: Mapped[str | None] = mapped_column(Text)  # why it ended
+    actor: Mapped[str] = mapped_column(String(256))
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    decided_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class VersionPin(Base):
+    """Calls of one project, or of one key, to a policy are served by a pinned version instead of the active one."""
+
+    __tablename__ = "version_pins"
+    __table_args__ = (UniqueConstraint("policy_id", "scope", "subject"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy_id: Mapped[int] = mapped_column(ForeignKey("policies.id", ondelete="CASCADE"))
+    scope: Mapped[str] = mapped_column(String(16))  # project | key
+    subject: Mapped[str] = mapped_column(String(128))  # the project's name, or the key's id
+    version: Mapped[int] = mapped_column(Integer)
+    actor: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ShadowPair(Base):
+    """One call answered by the serving version and, in the shadow, by a candidate: the context and both replies
+    (redacted as the policy's calls are), scored later. Never an episode: shadows are not training traffic."""
+
+    __tablename__ = "shadow_pairs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id", ondelete="CASCADE"), index=True)
+    call_id: Mapped[str] = mapped_column(String(64))  # the served call
+    messages: Mapped[list[Any]] = mapped_column()  # the context both versions answered
+    served: Mapped[dict[str, Any]] = mapped_column()  # the serving version's reply message
+    shadow: Mapped[dict[str, Any]] = mapped_column()  # the candidate's reply message
+    served_reward: Mapped[float | None] = mapped_column(Float)
+    shadow_reward: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    scored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Episode(Base):

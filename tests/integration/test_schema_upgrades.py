@@ -30,7 +30,7 @@ from tests.support.postgres import PostgresServer
 from tests.support.scripted_upstream import ScriptedUpstream
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0022"
+HEAD = "0023"
 #: The revisions that need the gateways stopped, on each database.
 OFFLINE = {"sqlite": ["0005"], "postgresql": ["0005", "0015", "0019"]}
 
@@ -89,7 +89,7 @@ def test_upgrade_refuses_an_offline_migration_until_told_the_gateways_are_stoppe
     assert len(recorded) == len(list((REPO / "migrations" / "versions").glob("0*.py")))
     assert sorted(r["revision"] for r in recorded if not r["online_safe"]) == OFFLINE[dialect]
     previous = {r["revision"]: r["previous"] for r in recorded}
-    assert (previous["0021"], previous[HEAD]) == ("0020", "0021")
+    assert (previous["0021"], previous[HEAD]) == ("0020", "0022")
 
     again = kaizen(database_url, tmp_path, "db", "upgrade")
     assert again.returncode == 0 and f"is at revision {HEAD}: nothing to apply" in again.stderr
