@@ -341,6 +341,7 @@ class ChatService:
         if header_episode is None and continues is not None and "episode_id" not in (request.metadata or {}):
             header_episode = continues
         episode = assign_episode(header_episode, request.metadata, hashes, self.stitch)
+        route = self.router.assign(route, principal, request.user or episode.episode_id)
         supplied = headers.get("x-request-id")
         group_key = (request.metadata or {}).get("group_key") or _group_key(headers.get("x-kaizen-group-key"))
         sent_source = headers.get("x-kaizen-source")

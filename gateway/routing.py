@@ -8,12 +8,18 @@ same refresh keeps each policy's redactor (its `privacy` section) in memory for 
 engine, and each policy's owner: a policy owned by a project answers another project's keys as if it did not
 exist (`admit`). Until that refresh has read the policies once, calls are refused (`PoliciesUnavailable`): a
 policy's privacy section is not known yet, and a call stored without it would keep what it should have masked.
+
+A call to a policy by its bare name may be served by another version than the active one (`assign`): a pin of
+its key, then of its project, wins; otherwise a running canary or split takes its share of calls, chosen by a
+hash of the call's sticky key (its `user`, else its episode), so one user's or one conversation's calls stay
+on one version. The version that served is what the call is stored with, so rewards, however late, count for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import time
@@ -31,6 +37,7 @@ from gateway.redaction import Redactor
 from storage.database import Database
 from storage.models import POLICY_NAME_LENGTH
 from storage.policies import list_adapters, list_policies
+from storage.rollouts import list_pins, running_rollouts
 from trainer.control.policy_config import PrivacyConfig
 
 log = logging.getLogger(__name__)
@@ -44,12 +51,41 @@ class Route:
     policy: str | None  # the policy (or plain model) the call is stored under
     adapter_version: int | None
     adapter_path: str | None = None
+    #: Called by the policy's bare name: `assign` may serve it from a pinned or trial version instead.
+    by_name: bool = False
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A running rollout's version and the share of the policy's calls it serves (a shadow: answers copies of)."""
+
+    rollout_id: int
+    mode: str
+    version: int
+    share: float
 
 
 @dataclass
 class PolicyState:
     active_version: int | None
     versions: dict[int, str] = field(default_factory=dict)  # version -> adapter directory
+    trial: Trial | None = None
+    pins: dict[tuple[str, str], int] = field(default_factory=dict)  # (scope, subject) -> version
+
+    def serving(self) -> set[int]:
+        """Versions that may serve calls by the policy's name: kept loaded in the engine."""
+        versions = {v for v in self.pins.values() if v in self.versions}
+        if self.active_version is not None:
+            versions.add(self.active_version)
+        if self.trial is not None and self.trial.version in self.versions:
+            versions.add(self.trial.version)
+        return versions
+
+
+def trial_bucket(rollout_id: int, sticky: str) -> float:
+    """Where `sticky` falls in [0, 1) for one rollout: stable for the rollout, independent between rollouts."""
+    digest = hashlib.sha256(f"{rollout_id}:{sticky}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def adapter_name(policy: str, version: int) -> str:
@@ -111,7 +147,7 @@ class ModelRouter:
                 raise NotFound(
                     f"policy `{model}` has no active version yet", param="model", code="model_not_found"
                 )
-            return self._adapter_route(model, policy.active_version, policy)
+            return self._adapter_route(model, policy.active_version, policy, by_name=True)
         pinned = _PINNED.match(model)
         if pinned is not None and pinned["policy"] in self.policies:
             version = int(pinned["version"])
@@ -154,6 +190,29 @@ class ModelRouter:
             code="model_not_found",
         )
 
+    def assign(self, route: Route, principal: Principal, sticky: str) -> Route:
+        """The version that serves a call by the policy's name: the key's pin, the project's pin, the trial
+        version for calls whose sticky key falls in its share, else the active version (`route` as it is)."""
+        if not route.by_name or route.policy is None:
+            return route
+        state = self.policies.get(route.policy)
+        if state is None:
+            return route
+        if state.pins:
+            for subject in (("key", principal.key_id), ("project", principal.project)):
+                version = state.pins.get(subject)
+                if version is not None and version in state.versions:
+                    return self._adapter_route(route.policy, version, state)
+        trial = state.trial
+        if (
+            trial is not None
+            and trial.mode != "shadow"
+            and trial.version in state.versions
+            and trial_bucket(trial.rollout_id, sticky) < trial.share
+        ):
+            return self._adapter_route(route.policy, trial.version, state)
+        return route
+
     def visible(self, name: str, principal: Principal) -> bool:
         """Whether /v1/models shows `name` (a policy, or an engine model) to this key."""
         return principal.acting_on(self.owners.get(name)) is not None
@@ -175,8 +234,8 @@ class ModelRouter:
         return self.redactor(policy)
 
     @staticmethod
-    def _adapter_route(policy: str, version: int, state: PolicyState) -> Route:
-        return Route(adapter_name(policy, version), policy, version, state.versions[version])
+    def _adapter_route(policy: str, version: int, state: PolicyState, *, by_name: bool = False) -> Route:
+        return Route(adapter_name(policy, version), policy, version, state.versions[version], by_name)
 
     async def acquire(self, route: Route) -> None:
         """Mark a call in flight on `route` (so its adapter is not unloaded) and make sure it is loaded."""
@@ -223,6 +282,14 @@ class ModelRouter:
                     if self.database is not None:
                         versions = {a.version: a.path for a in await list_adapters(session, policy.id)}
                         fresh[policy.name] = PolicyState(policy.active_version, versions)
+                if self.database is not None:
+                    for rollout in await running_rollouts(session):
+                        if rollout.policy in fresh:
+                            trial = Trial(rollout.id, rollout.mode, rollout.version, rollout.share)
+                            fresh[rollout.policy].trial = trial
+                    for pin in await list_pins(session):
+                        if pin.policy in fresh:
+                            fresh[pin.policy].pins[(pin.scope, pin.subject)] = pin.version
         except Exception as exc:
             log.warning("could not read policies: %s", exc)
             return
@@ -236,17 +303,23 @@ class ModelRouter:
             old = self.policies.get(name)
             if old is not None and old.active_version != state.active_version:
                 log.info("policy %s: active version %s -> %s", name, old.active_version, state.active_version)
-        # Load new active versions before switching to them, so no call waits on a load.
+            if old is not None and old.trial != state.trial:
+                log.info("policy %s: trial %s -> %s", name, old.trial, state.trial)
+        # Load every version that may serve before switching to it, so no call waits on a load.
         for name, state in fresh.items():
-            if state.active_version is not None and state.active_version in state.versions:
+            for version in sorted(state.serving()):
                 try:
-                    await self.engine.load_adapter(
-                        adapter_name(name, state.active_version), state.versions[state.active_version]
-                    )
+                    await self.engine.load_adapter(adapter_name(name, version), state.versions[version])
                 except Exception as exc:
-                    log.error("could not load %s@%s: %s", name, state.active_version, exc)
-                    if name in self.policies:
-                        fresh[name].active_version = self.policies[name].active_version
+                    log.error("could not load %s@%s: %s", name, version, exc)
+                    old = self.policies.get(name)
+                    if version == state.active_version:
+                        if old is not None:
+                            state.active_version = old.active_version
+                    elif state.trial is not None and version == state.trial.version:
+                        state.trial = old.trial if old is not None else None
+                    else:
+                        state.pins = {k: v for k, v in state.pins.items() if v != version}
         self.policies = fresh
         await self._unload_idle()
 
@@ -280,11 +353,7 @@ class ModelRouter:
         self.redactors = redactors
 
     async def _unload_idle(self) -> None:
-        active = {
-            adapter_name(n, s.active_version)
-            for n, s in self.policies.items()
-            if s.active_version is not None
-        }
+        active = {adapter_name(n, version) for n, s in self.policies.items() for version in s.serving()}
         now = time.monotonic()
         for name in self.engine.loaded_adapters():
             if name in active or self.in_flight.get(name, 0) > 0:

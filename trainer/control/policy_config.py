@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.control.collapse import CollapseBounds
+from trainer.control.live_health import HEALTH_BOUND_NAMES, HealthBounds
 from trainer.control.outbound import url_problem
 
 # --- loss defaults (used by `trainer.learner.loss` as its own defaults)
@@ -436,6 +437,85 @@ class GateConfig(_Section):
         return CollapseBounds(**self.collapse_bounds)
 
 
+# --- rollout
+
+
+class RolloutConfig(_Section):
+    """How a candidate that passed the gate reaches every call (see `trainer.control.canary`)."""
+
+    canary_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the policy's calls a candidate that passed the gate serves as a canary before it is "
+        "promoted or rolled back on live evidence; 0: promote at once.",
+    )
+    shadow_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Instead of a canary, the candidate answers copies of this share of calls in the shadow, "
+        "never shown to users; the pairs are scored and decide the same way. Used when canary_share is 0.",
+    )
+    alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Error rate of the always-valid test: a candidate worse than the baseline by more than margin "
+        "is promoted with probability at most alpha/2, however long it is watched.",
+    )
+    margin: float = Field(
+        0.02,
+        ge=0,
+        description="How much lower the candidate's mean reward may be and still count as no worse.",
+    )
+    tau: float = Field(
+        0.1,
+        gt=0,
+        description="Scale of the differences the test expects (the spread of its normal mixture): near the true "
+        "difference, decisions come soonest.",
+    )
+    min_episodes: int = Field(
+        20,
+        ge=2,
+        description="Rewarded episodes (or scored shadow pairs) each version needs before any decision.",
+    )
+    min_calls: int = Field(
+        20, ge=1, description="Answered calls each version needs before the health guards may roll back."
+    )
+    max_hours: float = Field(
+        24.0, gt=0, description="A rollout still undecided after this long ends as `on_timeout` says."
+    )
+    on_timeout: Literal["rollback", "promote"] = Field(
+        "rollback",
+        description="What an undecided rollout does at max_hours: not shown no worse is not promoted.",
+    )
+    health_bounds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Overrides of how much worse than the baseline's each health signal of the candidate may be "
+        "(trainer.control.canary.HealthBounds): empty, repeated, refusal, error and tool-error shares, length.",
+    )
+
+    @field_validator("health_bounds")
+    @classmethod
+    def _known_health_bounds(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - HEALTH_BOUND_NAMES)
+        if unknown:
+            raise ValueError(
+                f"unknown health bounds {unknown} (known: {', '.join(sorted(HEALTH_BOUND_NAMES))})"
+            )
+        return value
+
+    def bounds(self) -> HealthBounds:
+        return HealthBounds(**self.health_bounds)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RolloutConfig:
+        if self.canary_share > 0 and self.shadow_share > 0:
+            raise ValueError("set canary_share or shadow_share, not both")
+        return self
+
+
 # --- privacy
 
 Detector = Literal["email", "phone", "card", "iban", "ip", "secret"]
@@ -562,6 +642,7 @@ class PolicyConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
