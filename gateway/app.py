@@ -40,6 +40,7 @@ from gateway.controllers.models import ModelsController
 from gateway.controllers.policies import PoliciesController
 from gateway.controllers.policy_actions import PolicyActions
 from gateway.controllers.responses import ResponsesController
+from gateway.controllers.rollouts import RolloutsController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
 from gateway.errors import APIError, Conflict
@@ -465,6 +466,7 @@ def create_app(services: Services) -> Litestar:
             KeysController,
             AuditController,
             PoliciesController,
+            RolloutsController,
             RunsController,
             admin,
             mcp_mount,

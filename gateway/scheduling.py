@@ -76,7 +76,9 @@ class Jobs:
         self.scheduler: PolicyScheduler | None = None
         self.housekeeping: Housekeeping | None = None
         if schedule:
-            self.scheduler = PolicyScheduler(database, self.runner, settings.scheduler_refresh_s)
+            self.scheduler = PolicyScheduler(
+                database, self.runner, settings.scheduler_refresh_s, settings.rollout_check_s
+            )
             self.housekeeping = Housekeeping(
                 database, settings.retention_calls_days, settings.retention_cron or None
             )

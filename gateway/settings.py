@@ -323,6 +323,11 @@ class Settings(BaseSettings):
     scheduler_refresh_s: float = Field(
         30.0, gt=0, description="How often the scheduler re-reads the policies' schedules."
     )
+    rollout_check_s: float = Field(
+        60.0,
+        gt=0,
+        description="How often the canary monitor looks at each running rollout's evidence and decides.",
+    )
     gate_url: str = Field(
         "",
         description="OpenAI-compatible URL (ending in /v1) the evaluation gate samples candidate and active "

@@ -11,7 +11,7 @@ re-activate; everything else of the policy is deleted (rows here; the caller rem
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 
 from sqlalchemy import ColumnElement, delete, exists, literal, or_, select, text, true
@@ -20,7 +20,17 @@ from sqlalchemy.orm import InstrumentedAttribute
 
 from storage.calls import CALL_CLOCK_SLACK
 from storage.dialect import utc
-from storage.models import Adapter, Call, Episode, Policy, Reward, StitchKey, StoredResponse
+from storage.models import (
+    Adapter,
+    Call,
+    Episode,
+    Policy,
+    Reward,
+    Rollout,
+    StitchKey,
+    StoredResponse,
+    VersionPin,
+)
 from storage.policies import AdapterInfo, list_adapters
 from storage.rollups import mark_changed, mark_span
 
@@ -102,9 +112,12 @@ async def checkpoint_wal(session: AsyncSession) -> None:
         await session.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
 
 
-def versions_to_keep(adapters: Sequence[AdapterInfo], active: int | None, keep: int) -> set[int]:
-    """Active, pinned, the newest `keep`, and the rollback target (newest retired below the active one)."""
-    kept = {a.version for a in adapters if a.pinned or a.status == "active"}
+def versions_to_keep(
+    adapters: Sequence[AdapterInfo], active: int | None, keep: int, serving: Iterable[int] = ()
+) -> set[int]:
+    """Active, pinned, the newest `keep`, the rollback target (newest retired below the active one), and those
+    `serving` beside the active one (on trial in a running rollout, or pinned for a project or key)."""
+    kept = {a.version for a in adapters if a.pinned or a.status == "active"} | set(serving)
     if active is not None:
         kept.add(active)
         earlier = [a.version for a in adapters if a.status == "retired" and a.version < active]
@@ -119,7 +132,10 @@ async def prune_adapters(
 ) -> list[AdapterInfo]:
     """Delete the rows of versions not worth keeping; returns them so their directories can go too."""
     adapters = await list_adapters(session, policy_id)
-    kept = versions_to_keep(adapters, active, keep)
+    trials = select(Rollout.version).where(Rollout.policy_id == policy_id, Rollout.status == "running")
+    pins = select(VersionPin.version).where(VersionPin.policy_id == policy_id)
+    serving = set((await session.execute(trials.union(pins))).scalars())
+    kept = versions_to_keep(adapters, active, keep, serving)
     doomed = [a for a in adapters if a.version not in kept]
     if doomed:
         await session.execute(

@@ -1,5 +1,5 @@
 """`kaizen policy create|list|owner|promote|rollback|compare`: policies, the trainable models, their owners and
-versions."""
+versions (`rollout` and `pin`: `gateway.commands.rollouts`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway.commands import rollouts
 from gateway.commands.options import add_common_options, configure_logging, load_settings, parse_since
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     add_common_options(compare)
     compare.set_defaults(func=compare_command)
+    rollouts.register(policy_commands)
 
 
 def add_owner_options(parser: argparse.ArgumentParser, default: str | None) -> None:
@@ -186,6 +188,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 def switch_command(args: argparse.Namespace) -> int:
     """`kaizen policy promote P N` and `kaizen policy rollback P`."""
+    from gateway.rollouts import settle_after_switch
     from migrations.runner import open_database
     from storage.audit import record_audit
     from storage.policies import get_policy, promote, rollback
@@ -209,6 +212,8 @@ def switch_command(args: argparse.Namespace) -> int:
                     session, "cli", "policy.rollback", args.name, {"from_version": from_version}
                 )
                 policy = await rollback(session, args.name)
+            await settle_after_switch(session, args.name, policy.active_version, "cli")
+            await session.commit()
             return policy.active_version
 
     try:

@@ -19,6 +19,7 @@ from gateway.auth import principal_of
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, policy_views
 from gateway.errors import NotFound, invalid_policy_config
+from gateway.rollouts import settle_after_switch
 from gateway.scheduling import Jobs
 from storage.audit import record_audit
 from storage.policies import get_policy, promote, rollback, update_policy_config
@@ -56,6 +57,8 @@ class PolicyActions(Controller):
             await promote(session, name, data.version)
         except LookupError as exc:
             raise NotFound(str(exc), param="version", code="version_not_found") from exc
+        await settle_after_switch(session, name, data.version, principal_of(request).actor)
+        await session.commit()
         [view] = await policy_views(session, name)
         return view
 
@@ -78,9 +81,11 @@ class PolicyActions(Controller):
             {"from_version": current.active_version},
         )
         try:
-            await rollback(session, name)
+            switched = await rollback(session, name)
         except LookupError as exc:
             raise NotFound(str(exc), param="name", code="no_previous_version") from exc
+        await settle_after_switch(session, name, switched.active_version, principal_of(request).actor)
+        await session.commit()
         [view] = await policy_views(session, name)
         return view
 

@@ -42,6 +42,8 @@ TABLES = (
     "api_keys",
     "audit",
     "responses",
+    "rollouts",
+    "version_pins",
 )
 SESSION = (
     "dashboard-session"  # as a route's `key`: the dashboard's cookie (and CSRF header), not a bearer key
@@ -228,6 +230,58 @@ ROUTES = [
         ADMIN_KEY,
         params={"name": "nope"},
         query={"a": ["abc", "-1", "99999999999999999999999", "1e400", ""], "b": ["1.5", "%00"]},
+    ),
+    Route(
+        "GET",
+        "/admin/policies/{name}/rollouts",
+        ADMIN_KEY,
+        params={"name": "nope"},
+        query={"limit": ["abc", "-1", "0", "99999999999999999999999", ""]},
+    ),
+    Route(
+        "POST",
+        "/admin/policies/{name}/rollouts",
+        ADMIN_KEY,
+        {"version": 1, "share": 0.1},
+        {
+            "version": [-1, 10**30, "one", None, 1.5],
+            "share": [0, -0.5, 1.5, "half", None, 10**30],
+            "mode": ["blue-green", 5, None],
+            "rule": ["x", [1], {"alpha": 2}, {"nope": 1}],
+            "unknown": [1],
+        },
+        params={"name": "nope"},
+        required=("version", "share"),
+    ),
+    Route(
+        "POST",
+        "/admin/policies/{name}/rollouts/{rollout_id}/end",
+        ADMIN_KEY,
+        {"status": "stopped"},
+        {"status": ["done", 5, None], "reason": [5, ["x"]], "unknown": [1]},
+        params={"name": "nope", "rollout_id": "1"},
+        required=("status",),
+    ),
+    Route("GET", "/admin/policies/{name}/pins", ADMIN_KEY, params={"name": "nope"}),
+    Route(
+        "POST",
+        "/admin/policies/{name}/pins",
+        ADMIN_KEY,
+        {"scope": "project", "subject": "shop", "version": 1},
+        {
+            "scope": ["team", 5, None],
+            "subject": [5, "", "nul\u0000", "x" * 200],
+            "version": [-1, 10**30, "one", None],
+            "unknown": [1],
+        },
+        params={"name": "nope"},
+        required=("scope", "subject", "version"),
+    ),
+    Route(
+        "DELETE",
+        "/admin/policies/{name}/pins/{pin_scope}/{subject}",
+        ADMIN_KEY,
+        params={"name": "nope", "pin_scope": "project", "subject": "shop"},
     ),
     Route(
         "POST",

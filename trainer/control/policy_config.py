@@ -462,7 +462,7 @@ class RolloutConfig(_Section):
         gt=0,
         lt=1,
         description="Error rate of the always-valid test: a candidate worse than the baseline by more than margin "
-        "is promoted with probability at most alpha/2, however long it is watched.",
+        "is promoted with probability at most alpha/(2 - alpha), however long it is watched.",
     )
     margin: float = Field(
         0.02,
@@ -508,6 +508,14 @@ class RolloutConfig(_Section):
 
     def bounds(self) -> HealthBounds:
         return HealthBounds(**self.health_bounds)
+
+    def trial(self) -> tuple[Literal["canary", "shadow"], float] | None:
+        """How a candidate that passed the gate goes on trial, or None: promoted at once."""
+        if self.canary_share > 0:
+            return "canary", self.canary_share
+        if self.shadow_share > 0:
+            return "shadow", self.shadow_share
+        return None
 
     @model_validator(mode="after")
     def _one_kind(self) -> RolloutConfig:

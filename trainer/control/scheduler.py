@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.database import Database
 from storage.jobs import (
@@ -46,7 +47,9 @@ from storage.models import DEFAULT_PROJECT
 from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
+from storage.rollouts import RolloutInfo, end_rollout, running_rollout, start_rollout
 from storage.training import fail_abandoned_runs, last_data_cutoff
+from trainer.control.canary import ACTOR, watch
 from trainer.control.child_processes import dying_with_parent, stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
@@ -54,6 +57,7 @@ from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, l
 from trainer.control.ruler import JudgeSettings
 from trainer.control.run_logs import RunLog
 from trainer.control.scoring import Scorer
+from trainer.control.shadow_scoring import score_shadow_pairs
 from trainer.control.tools import ToolBox
 from trainer.control.training_job import TrainingJob
 
@@ -555,9 +559,61 @@ class JobRunner:
                 await set_adapter_status(session, policy.id, candidate, "rejected")
             await session.commit()
             if result.passed and config.promote:
-                await promote(session, name, candidate)
-                logger.info("promoted %s@%d", name, candidate)
+                await ship(session, policy, run.id, candidate)
         return result
+
+    async def watch_rollouts(self) -> None:
+        """One look of the canary monitor at every running rollout; a shadow's new pairs are scored first."""
+        await watch(self.database, before_look=self._score_shadow)
+
+    async def _score_shadow(self, rollout: RolloutInfo) -> None:
+        if rollout.mode != "shadow":
+            return
+        async with self.database.session() as session:
+            policy = await get_policy(session, rollout.policy)
+        if policy is None:
+            return
+        rewards = load_policy_config(policy.config).rewards
+        scorer = Scorer(rewards, self.config.judge, webhook_secret=self.config.webhook_secret)
+        await score_shadow_pairs(self.database, rollout, scorer)
+
+
+async def ship(session: AsyncSession, policy: PolicyInfo, run_id: int, candidate: int) -> str:
+    """What happens to a candidate that passed the gate: promoted at once, or put on trial (a canary or a
+    shadow) when the policy's `rollout` section asks for one and there is an active version to compare with. A
+    trial still running for an older candidate is superseded: the new one was trained on fresher data. Returns
+    `promoted`, `canary` or `shadow`."""
+    rule = load_policy_config(policy.config).rollout
+    trial = rule.trial()
+    if trial is None or policy.active_version is None:
+        await promote(session, policy.name, candidate)
+        logger.info("promoted %s@%d", policy.name, candidate)
+        return "promoted"
+    mode, share = trial
+    running = await running_rollout(session, policy.name)
+    if running is not None:
+        await end_rollout(
+            session,
+            running.id,
+            "stopped",
+            reason=f"superseded by version {candidate} (run {run_id})",
+            actor=ACTOR,
+        )
+    rollout = await start_rollout(
+        session,
+        policy.name,
+        candidate,
+        mode=mode,
+        share=share,
+        actor=ACTOR,
+        run_id=run_id,
+        config=rule.model_dump(mode="json"),
+    )
+    started = {"id": rollout.id, "mode": mode, "share": share, "status": "running"}
+    await update_run(session, run_id, metrics_update={"rollout": started})
+    await session.commit()
+    logger.info("%s of %s@%d started on %.0f%% of calls", mode, policy.name, candidate, share * 100)
+    return mode
 
 
 async def drop_expired_days(database: Database, unowned_days: float) -> DroppedDays:
@@ -661,10 +717,13 @@ class OverlapsAtDebug(logging.Filter):
 class PolicyScheduler:
     """APScheduler (AsyncIOScheduler) jobs per policy, re-read from `policies.config` every `refresh_s`."""
 
-    def __init__(self, database: Database, runner: JobRunner, refresh_s: float = 30.0) -> None:
+    def __init__(
+        self, database: Database, runner: JobRunner, refresh_s: float = 30.0, rollout_check_s: float = 60.0
+    ) -> None:
         self.database = database
         self.runner = runner
         self.refresh_s = refresh_s
+        self.rollout_check_s = rollout_check_s
         self._scheduler: Any = None
         self._fingerprints: dict[str, str] = {}
 
@@ -682,6 +741,9 @@ class PolicyScheduler:
         self._scheduler.start()
         self._scheduler.add_job(
             self.sync, "interval", seconds=self.refresh_s, id="kaizen:sync", next_run_time=_now()
+        )
+        self._scheduler.add_job(
+            self.runner.watch_rollouts, "interval", seconds=self.rollout_check_s, id="kaizen:rollouts"
         )
         logger.info("scheduler started (policies re-read every %.0f s)", self.refresh_s)
 
