@@ -39,6 +39,7 @@ from storage.rollouts import (
     set_pin,
     start_rollout,
 )
+from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.sql import fetch_rows
@@ -208,6 +209,8 @@ def test_pins_of_a_key_and_a_project_win_over_the_active_version_and_a_split(
     wait_until(lambda: serves(gateway, "bot@2", as_key["shop-b"]), "the key pin")
     start(gateway, version=2, share=1.0, mode="split")
     wait_for_trial(gateway, 2)
+    page = login(gateway.url, "adm").get("/dashboard/policies/bot").text
+    assert "<td>project shop</td><td>v1</td>" in page and 'class="rollout-state">running<' in page
     assert served(chat(gateway, as_key["ops"])) == "bot@2"  # the split takes every unpinned call
     assert served(chat(gateway, as_key["shop-a"])) == "bot@1"  # the pin wins over it
     listed = httpx.get(gateway.url + "/admin/policies/bot/pins", headers=ADMIN, timeout=10).json()
@@ -331,6 +334,9 @@ def test_the_monitor_rolls_back_a_worse_canary_and_records_why_everywhere(
     assert {(a["actor"], a["action"]) for a in audit} >= {("canary", "rollout.rolled_back")}
     wait_for_trial(gateway, None)
     assert {served(chat(gateway, user=f"after-{i}")) for i in range(20)} == {"bot@0"}
+    page = login(gateway.url, "adm").get("/dashboard/policies/bot")
+    assert page.status_code == 200
+    assert 'class="rollout-state">rolled_back<' in page.text and "worse: difference" in page.text
 
 
 def test_the_monitor_promotes_a_canary_that_is_no_worse(
