@@ -161,7 +161,9 @@ def judge(mode: str, evidence: Evidence, config: RolloutConfig) -> Verdict:
             return Verdict("rollback", "health: " + "; ".join(problems), None)
     if evidence.paired is not None:
         pairs = evidence.paired
-        interval = confidence_sequence_paired(pairs.n, pairs.mean, pairs.variance, alpha=config.alpha, tau=config.tau)
+        interval = confidence_sequence_paired(
+            pairs.n, pairs.mean, pairs.variance, alpha=config.alpha, tau=config.tau
+        )
         enough = pairs.n >= config.min_episodes
         counts = f"{pairs.n} scored pairs"
     else:
