@@ -1,5 +1,5 @@
-"""When a version starts serving, the time from the rewards it was trained on to then, and rollouts: storage and
-/metrics, on SQLite and PostgreSQL.
+"""When a version starts serving, the time from the rewards it was trained on to then, and rollouts: storage, the
+dashboard's policy page and /metrics, on SQLite and PostgreSQL.
 
 The seeded run of `bot` read the window (B, B + 3 h] at B + 3 h and produced version 1, which serves from
 B + 6 h. Four of the window's rewards count, arrived at B + 20, 70, 150 and 165 min: 340, 290, 210 and
@@ -8,6 +8,7 @@ B + 6 h. Four of the window's rewards count, arrived at B + 20, 70, 150 and 165 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -25,6 +26,7 @@ from storage.policies import (
     mark_serving,
 )
 from tests.integration.test_metrics import scrape, value
+from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 
 MakeGateway = Callable[..., GatewayServer]
@@ -242,3 +244,28 @@ def test_metrics_omit_the_rollout_share_when_none_runs(make_gateway: MakeGateway
     samples = scrape(gw, ADMIN)
     assert value(samples, "kaizen_metrics_database_ok") == 1
     assert not any(name.startswith(("kaizen_rollout", "kaizen_reward_to_serving")) for name, _ in samples)
+
+
+def test_the_policy_page_shows_how_long_rewards_took_to_serve(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    seed(database_url)
+    gw = make_gateway(database_url, admin_key="adm")
+    client = login(gw.url, "adm")
+    page = client.get("/dashboard/policies/bot")
+    assert page.status_code == 200
+    facts = re.search(r'<dl class="facts" id="reward-to-serving">(.*?)</dl>', page.text, re.S)
+    assert facts is not None
+    cells = {
+        term: re.sub(r"<[^>]+>", "", detail).strip()
+        for term, detail in re.findall(r"<dt>(.*?)</dt><dd[^>]*>(.*?)</dd>", facts.group(1), re.S)
+    }
+    assert cells == {
+        "serving": "v1 since 2026-11-02 14:00:00, made by run 1 from 4 rewards",
+        "newest reward": "3 h 15 min",
+        "median": "4 h 10 min",
+        "oldest reward": "5 h 40 min",
+    }
+    other = client.get("/dashboard/policies/other")
+    assert other.status_code == 200
+    assert re.search(r'<p class="muted" id="reward-to-serving">No figure', other.text)
