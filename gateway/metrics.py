@@ -54,6 +54,7 @@ from gateway.engines.base import Engine
 from gateway.routing import ModelRouter
 from gateway.settings import Settings
 from storage.database import Database
+from storage.learning_latency import LatencyKey, LearningLatency
 from storage.monitoring import LIVE_REWARD_WINDOW, StoreCounts, store_counts
 
 log = logging.getLogger(__name__)
@@ -567,6 +568,8 @@ class GatewayMetrics:
         self.store_ok = False
         self._store_read_at = -float("inf")
         self._store_lock = asyncio.Lock()
+        # Reward-to-serving figures settle once a version serves: computed once each, not every interval.
+        self._latency_memo: dict[LatencyKey, LearningLatency | None] = {}
 
     def open_with(self, keys: KeyRing) -> bool:
         """Whether /metrics answers without a key: only on a gateway with no key of any kind (no client key, no
@@ -594,7 +597,7 @@ class GatewayMetrics:
                 return
             try:
                 async with self.database.session() as session:
-                    self.store = await store_counts(session)
+                    self.store = await store_counts(session, latency_memo=self._latency_memo)
                 self.store_ok = True
             except Exception as exc:  # the database may be down: the last figures stay, flagged stale
                 log.warning("metrics: could not read the database figures: %s", exc)

@@ -115,9 +115,22 @@ async def _latency(
     )
 
 
-async def learning_latency(session: AsyncSession, policy: str | None = None) -> list[LearningLatency]:
+LatencyKey = tuple[int, int, int, datetime]
+"""What a latency depends on: the policy's id, the serving version, the run that made it and `serving_since`."""
+
+
+async def learning_latency(
+    session: AsyncSession,
+    policy: str | None = None,
+    *,
+    memo: dict[LatencyKey, LearningLatency | None] | None = None,
+) -> list[LearningLatency]:
     """The latency of every policy's serving version (only `policy`'s when given), by policy name; a policy
-    whose serving version has none (see the module's docstring) is left out."""
+    whose serving version has none (see the module's docstring) is left out.
+
+    `memo`: the figures of earlier calls. They are settled once a version serves (a reward arriving later was
+    not read by its run), so a caller that reads them again and again (/metrics, each interval) computes each
+    once, a sort of a run's rewards, rather than every time; entries of versions no longer serving are dropped."""
     query = (
         select(Policy.id, Policy.name, Adapter.version, Adapter.serving_since)
         .join(Adapter, (Adapter.policy_id == Policy.id) & (Adapter.version == Policy.active_version))
@@ -126,6 +139,7 @@ async def learning_latency(session: AsyncSession, policy: str | None = None) -> 
     if policy is not None:
         query = query.where(Policy.name == policy)
     out = []
+    serving: set[LatencyKey] = set()
     for policy_id, name, version, serving_since in (await session.execute(query)).all():
         if serving_since is None:  # promoted before it was recorded
             continue
@@ -141,7 +155,17 @@ async def learning_latency(session: AsyncSession, policy: str | None = None) -> 
         )
         if run is None:
             continue
-        latency = await _latency(session, name, version, utc(serving_since), run)
+        key = (policy_id, version, run.id, utc(serving_since))
+        serving.add(key)
+        if memo is not None and key in memo:
+            latency = memo[key]
+        else:
+            latency = await _latency(session, name, version, utc(serving_since), run)
+            if memo is not None:
+                memo[key] = latency
         if latency is not None:
             out.append(latency)
+    if memo is not None and policy is None:
+        for gone in memo.keys() - serving:
+            del memo[gone]
     return out

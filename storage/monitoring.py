@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Float, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.learning_latency import LearningLatency, learning_latency
+from storage.learning_latency import LatencyKey, LearningLatency, learning_latency
 from storage.models import JudgeGroup, Policy, Reward, Rollout, TrainingRun
 from storage.version_rewards import RewardStats, live_rewards
 
@@ -83,7 +83,11 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
-async def store_counts(session: AsyncSession) -> StoreCounts:
+async def store_counts(
+    session: AsyncSession, *, latency_memo: dict[LatencyKey, LearningLatency | None] | None = None
+) -> StoreCounts:
+    """`latency_memo`: the reader's memo of reward-to-serving figures, computed once per serving version
+    (`learning_latency`)."""
     policies = await session.execute(select(Policy.name, Policy.active_version))
     rewards = await session.execute(
         select(Reward.source, Reward.status, func.count()).group_by(Reward.source, Reward.status)
@@ -135,7 +139,7 @@ async def store_counts(session: AsyncSession) -> StoreCounts:
             for name, kind, status, n, done, seconds, last in runs
         ],
         live_rewards=live,
-        learning_latency=await learning_latency(session),
+        learning_latency=await learning_latency(session, memo=latency_memo),
         rollouts={(name, status): int(n) for name, status, n in rollouts},
         running_rollouts=[
             RunningRollout(name, mode, version, float(share), *_difference(stats))

@@ -12,16 +12,19 @@ import re
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy import delete
+
 from gateway.settings import async_database_url
 from migrations.runner import upgrade_database
 from storage.database import Database
-from storage.learning_latency import learning_latency
+from storage.learning_latency import LatencyKey, LearningLatency, learning_latency
 from storage.models import Call, Episode, Reward, Rollout, TrainingRun
 from storage.policies import (
     activate_version,
     add_adapter,
     create_policy,
     get_adapter,
+    get_policy,
     list_adapters,
     mark_serving,
 )
@@ -198,6 +201,31 @@ def test_the_latency_of_the_serving_version_counts_the_rewards_its_run_read(data
                 assert (bot.newest_s, bot.median_s, bot.oldest_s) == (195 * 60, 250 * 60, 340 * 60)
                 assert await learning_latency(session, "other") == []
                 assert [row.version for row in await learning_latency(session, "bot")] == [1]
+        finally:
+            await database.dispose()
+
+    asyncio.run(read())
+
+
+def test_a_memo_computes_each_serving_versions_latency_once(database_url: str) -> None:
+    seed(database_url)
+
+    async def read() -> None:
+        database = Database(async_database_url(database_url))
+        try:
+            async with database.session() as session:
+                memo: dict[LatencyKey, LearningLatency | None] = {}
+                (first,) = await learning_latency(session, memo=memo)
+                assert list(memo.values()) == [first]
+                await session.execute(delete(Reward).where(Reward.episode_id == "e1"))  # the oldest
+                assert await learning_latency(session, memo=memo) == [first]  # not read again
+                (fresh,) = await learning_latency(session)
+                assert (fresh.rewards, fresh.oldest_s) == (3, 290 * 60)
+                bot = await get_policy(session, "bot")
+                assert bot is not None
+                await activate_version(session, bot.id, 2)  # made by no run: no latency, and v1's is let go
+                assert await learning_latency(session, memo=memo) == []
+                assert memo == {}
         finally:
             await database.dispose()
 
