@@ -437,8 +437,9 @@ class _ScrapeCollector(Collector):
         )
         difference = GaugeMetricFamily(
             "kaizen_rollout_difference",
-            "A running rollout's last evaluation: mean reward of its version minus the baseline's, bound "
-            "estimate, and low and high of its 95% interval; a bound the evaluation left undefined is absent.",
+            "A running rollout's last evaluation: mean reward of its version minus the baseline's (bound "
+            "estimate) and the bounds the canary decides on (low, high: its confidence sequence); a bound the "
+            "evaluation left undefined is absent.",
             labels=["policy", "version", "bound"],
         )
         bounds: dict[tuple[str, str], dict[str, float | None]] = {}
