@@ -11,7 +11,8 @@ Where each number comes from decides how it is collected:
   and the calls in flight.
 - **Read when scraped, from the database**, because other processes write them (a training child, a worker, a
   scheduler on another replica): the active version of each policy, stored rewards by source and status,
-  judge groups with their calls and cost, job runs by status with their durations. Every replica reports the
+  judge groups with their calls and cost, job runs by status with their durations, the live reward per version,
+  the time from reward to serving, and rollouts (canaries, splits, shadows). Every replica reports the
   same values (aggregate them with `max`, not `sum`); they are re-read at most every
   `KAIZEN_METRICS_DB_INTERVAL_S`, so scrapes cost the database one round of grouped queries per interval.
 """
@@ -53,6 +54,7 @@ from gateway.engines.base import Engine
 from gateway.routing import ModelRouter
 from gateway.settings import Settings
 from storage.database import Database
+from storage.learning_latency import LatencyKey, LearningLatency
 from storage.monitoring import LIVE_REWARD_WINDOW, StoreCounts, store_counts
 
 log = logging.getLogger(__name__)
@@ -361,6 +363,8 @@ class _ScrapeCollector(Collector):
             durations.add_metric([policy, kind], count_value=n, sum_value=seconds)
         yield from (runs, durations, last)
         yield from _ScrapeCollector._live_rewards(store)
+        yield from _ScrapeCollector._learning_latency(store)
+        yield from _ScrapeCollector._rollouts(store)
 
     @staticmethod
     def _live_rewards(store: StoreCounts) -> Iterable[Metric]:
@@ -391,6 +395,69 @@ class _ScrapeCollector(Collector):
                 half.add_metric(key, (stats.high - stats.low) / 2)
         yield from (episodes, mean, half)
 
+    @staticmethod
+    def _learning_latency(store: StoreCounts) -> Iterable[Metric]:
+        seconds = GaugeMetricFamily(
+            "kaizen_reward_to_serving_seconds",
+            "From the arrival of the rewards the serving version was trained on to that version serving "
+            "(serving_since), by policy, version and reward: newest (the freshest learning signal), median, "
+            "oldest.",
+            labels=["policy", "version", "reward"],
+        )
+        rewards = GaugeMetricFamily(
+            "kaizen_reward_to_serving_rewards",
+            "Reward rows the training run that produced the serving version learned from.",
+            labels=["policy", "version"],
+        )
+        for row in store.learning_latency:
+            version = str(row.version)
+            for which, value in (
+                ("newest", row.newest_s),
+                ("median", row.median_s),
+                ("oldest", row.oldest_s),
+            ):
+                seconds.add_metric([row.policy, version, which], value)
+            rewards.add_metric([row.policy, version], float(row.rewards))
+        yield from (seconds, rewards)
+
+    @staticmethod
+    def _rollouts(store: StoreCounts) -> Iterable[Metric]:
+        counts = GaugeMetricFamily(
+            "kaizen_rollouts",
+            "Rollouts by policy and status (running, promoted, rolled_back, stopped).",
+            labels=["policy", "status"],
+        )
+        for (policy, status), n in sorted(store.rollouts.items()):
+            counts.add_metric([policy, status], float(n))
+        share = GaugeMetricFamily(
+            "kaizen_rollout_share",
+            "Share of the policy's traffic a running rollout sends to its version (shadow: of calls copied), by "
+            "mode (canary, split, shadow); absent when none runs.",
+            labels=["policy", "mode", "version"],
+        )
+        difference = GaugeMetricFamily(
+            "kaizen_rollout_difference",
+            "A running rollout's last evaluation: mean reward of its version minus the baseline's (bound "
+            "estimate) and the bounds the canary decides on (low, high: its confidence sequence); a bound the "
+            "evaluation left undefined is absent.",
+            labels=["policy", "version", "bound"],
+        )
+        bounds: dict[tuple[str, str], dict[str, float | None]] = {}
+        for rollout in store.running_rollouts:
+            version = str(rollout.version)
+            share.add_metric([rollout.policy, rollout.mode, version], rollout.share)
+            # Newest last: two running rollouts of one version (not expected) report the newer's evaluation.
+            bounds[(rollout.policy, version)] = {
+                "estimate": rollout.estimate,
+                "low": rollout.low,
+                "high": rollout.high,
+            }
+        for (policy, version), values in bounds.items():
+            for bound, value in values.items():
+                if value is not None:
+                    difference.add_metric([policy, version, bound], value)
+        yield from (counts, share, difference)
+
 
 #: Families every worker reads from the same place (the database, the shared engine): reported once, from the
 #: worker that answers the scrape, without a `worker` label.
@@ -409,6 +476,11 @@ SHARED_FAMILIES = frozenset(
         "kaizen_live_reward_episodes",
         "kaizen_live_reward_mean",
         "kaizen_live_reward_ci95_half_width",
+        "kaizen_reward_to_serving_seconds",
+        "kaizen_reward_to_serving_rewards",
+        "kaizen_rollouts",
+        "kaizen_rollout_share",
+        "kaizen_rollout_difference",
     }
 )
 #: How long a scrape waits for a sibling worker's exposition (one that is restarting is left out).
@@ -497,6 +569,8 @@ class GatewayMetrics:
         self.store_ok = False
         self._store_read_at = -float("inf")
         self._store_lock = asyncio.Lock()
+        # Reward-to-serving figures settle once a version serves: computed once each, not every interval.
+        self._latency_memo: dict[LatencyKey, LearningLatency | None] = {}
 
     def open_with(self, keys: KeyRing) -> bool:
         """Whether /metrics answers without a key: only on a gateway with no key of any kind (no client key, no
@@ -524,7 +598,7 @@ class GatewayMetrics:
                 return
             try:
                 async with self.database.session() as session:
-                    self.store = await store_counts(session)
+                    self.store = await store_counts(session, latency_memo=self._latency_memo)
                 self.store_ok = True
             except Exception as exc:  # the database may be down: the last figures stay, flagged stale
                 log.warning("metrics: could not read the database figures: %s", exc)

@@ -1,5 +1,5 @@
-"""Aggregates that monitoring reads: active versions, stored rewards, judge groups and their cost, job runs, and
-the last day's live reward per policy and serving version.
+"""Aggregates that monitoring reads: active versions, stored rewards, judge groups and their cost, job runs, the
+last day's live reward per policy and serving version, the time from reward to serving, and rollouts.
 
 These numbers live in the database because other processes write them (a training child, a worker, another
 replica's scheduler), so a gateway's `/metrics` reads them here instead of counting them itself. Each is one
@@ -15,7 +15,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Float, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from storage.models import JudgeGroup, Policy, Reward, TrainingRun
+from storage.learning_latency import LatencyKey, LearningLatency, learning_latency
+from storage.models import JudgeGroup, Policy, Reward, Rollout, TrainingRun
 from storage.version_rewards import RewardStats, live_rewards
 
 LIVE_REWARD_WINDOW = timedelta(hours=24)
@@ -44,6 +45,19 @@ class RunTotals:
 
 
 @dataclass(frozen=True)
+class RunningRollout:
+    """A rollout in progress and its last evaluation's difference (candidate - baseline), when it has one."""
+
+    policy: str
+    mode: str  # canary | split | shadow
+    version: int
+    share: float
+    estimate: float | None
+    low: float | None
+    high: float | None
+
+
+@dataclass(frozen=True)
 class StoreCounts:
     active_versions: dict[str, int | None] = field(default_factory=dict)
     rewards: dict[tuple[str, str], int] = field(default_factory=dict)  # (source, status) -> rows
@@ -51,6 +65,9 @@ class StoreCounts:
     runs: list[RunTotals] = field(default_factory=list)
     # (policy, serving version of the first call) -> rewarded episodes of the last LIVE_REWARD_WINDOW
     live_rewards: dict[tuple[str, int | None], RewardStats] = field(default_factory=dict)
+    learning_latency: list[LearningLatency] = field(default_factory=list)
+    rollouts: dict[tuple[str, str], int] = field(default_factory=dict)  # (policy, status) -> rollouts
+    running_rollouts: list[RunningRollout] = field(default_factory=list)  # oldest first
 
 
 def _duration_s(session: AsyncSession) -> ColumnElement[Any]:
@@ -66,7 +83,11 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
-async def store_counts(session: AsyncSession) -> StoreCounts:
+async def store_counts(
+    session: AsyncSession, *, latency_memo: dict[LatencyKey, LearningLatency | None] | None = None
+) -> StoreCounts:
+    """`latency_memo`: the reader's memo of reward-to-serving figures, computed once per serving version
+    (`learning_latency`)."""
     policies = await session.execute(select(Policy.name, Policy.active_version))
     rewards = await session.execute(
         select(Reward.source, Reward.status, func.count()).group_by(Reward.source, Reward.status)
@@ -95,6 +116,17 @@ async def store_counts(session: AsyncSession) -> StoreCounts:
         .group_by(Policy.name, TrainingRun.kind, TrainingRun.status)
     )
     live = await live_rewards(session, datetime.now(UTC) - LIVE_REWARD_WINDOW)
+    rollouts = await session.execute(
+        select(Policy.name, Rollout.status, func.count())
+        .join(Policy, Policy.id == Rollout.policy_id)
+        .group_by(Policy.name, Rollout.status)
+    )
+    running = await session.execute(
+        select(Policy.name, Rollout.mode, Rollout.version, Rollout.share, Rollout.stats)
+        .join(Policy, Policy.id == Rollout.policy_id)
+        .where(Rollout.status == "running")
+        .order_by(Rollout.started_at, Rollout.id)
+    )
     return StoreCounts(
         active_versions={name: version for name, version in policies},
         rewards={(source, status): int(n) for source, status, n in rewards},
@@ -107,4 +139,24 @@ async def store_counts(session: AsyncSession) -> StoreCounts:
             for name, kind, status, n, done, seconds, last in runs
         ],
         live_rewards=live,
+        learning_latency=await learning_latency(session, memo=latency_memo),
+        rollouts={(name, status): int(n) for name, status, n in rollouts},
+        running_rollouts=[
+            RunningRollout(name, mode, version, float(share), *_difference(stats))
+            for name, mode, version, share, stats in running
+        ],
     )
+
+
+def _difference(stats: Any) -> tuple[float | None, float | None, float | None]:
+    """`stats["difference"]`'s estimate and interval as the canary last wrote them; None for each one missing
+    (no evaluation yet, too few episodes, a mode that does not compare)."""
+    difference = stats.get("difference") if isinstance(stats, dict) else None
+    if not isinstance(difference, dict):
+        return None, None, None
+
+    def number(key: str) -> float | None:
+        value = difference.get(key)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    return number("estimate"), number("low"), number("high")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,8 @@ class AdapterInfo:
     pinned: bool
     metrics: dict[str, Any]
     created_at: datetime
+    #: When it first served traffic (`mark_serving`); None: never yet, or before that was recorded.
+    serving_since: datetime | None = None
 
 
 def _policy(row: Policy) -> PolicyInfo:
@@ -66,6 +68,7 @@ def _adapter(row: Adapter) -> AdapterInfo:
         row.pinned,
         dict(row.metrics),
         row.created_at,
+        row.serving_since,
     )
 
 
@@ -179,7 +182,8 @@ async def list_adapters(session: AsyncSession, policy_id: int) -> list[AdapterIn
 
 
 async def activate_version(session: AsyncSession, policy_id: int, version: int) -> None:
-    """Make `version` the one `model="<policy>"` resolves to; the previous active one becomes `retired`."""
+    """Make `version` the one `model="<policy>"` resolves to; the previous active one becomes `retired`. It serves
+    from now on (`mark_serving`), as soon as each gateway's next policy refresh sees it."""
     await session.execute(
         update(Adapter)
         .where(Adapter.policy_id == policy_id, Adapter.status == "active", Adapter.version != version)
@@ -191,6 +195,20 @@ async def activate_version(session: AsyncSession, policy_id: int, version: int) 
         .values(status="active")
     )
     await session.execute(update(Policy).where(Policy.id == policy_id).values(active_version=version))
+    await mark_serving(session, policy_id, version)
+
+
+async def mark_serving(
+    session: AsyncSession, policy_id: int, version: int, at: datetime | None = None
+) -> None:
+    """Record that `version` serves traffic from `at` (None: now), unless it already did: `serving_since` keeps
+    the first time, so a version rolled back to still counts from when it first served. The time from a reward
+    to the version trained on it serving is measured to here (`storage.learning_latency`)."""
+    await session.execute(
+        update(Adapter)
+        .where(Adapter.policy_id == policy_id, Adapter.version == version, Adapter.serving_since.is_(None))
+        .values(serving_since=at or datetime.now(UTC))
+    )
 
 
 async def promote(session: AsyncSession, policy_name: str, version: int) -> PolicyInfo:

@@ -62,6 +62,26 @@ def seconds(value: Any) -> str:
     return f"{number(value / 3600, 2)} h"
 
 
+_SPAN_UNITS = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+
+
+def span(value: Any) -> str:
+    """A long duration in seconds to the second, in its two largest units: 4 min 12 s, 3 h 15 min, 2 d 4 h (the
+    rest cut off); under a minute as `seconds` writes it. For waits where 3.2 h hides a quarter of an hour."""
+    if not _is_real(value) or abs(value) < 60:
+        return seconds(value)
+    left = round(abs(value))
+    parts: list[tuple[int, str]] = []
+    for unit, size in _SPAN_UNITS:
+        count, left = divmod(left, size)
+        if count or parts:
+            parts.append((count, unit))
+        if len(parts) == 2:
+            break
+    words = " ".join(f"{count} {unit}" for count, unit in parts if count)
+    return f"-{words}" if value < 0 else words
+
+
 def milliseconds(value: Any) -> str:
     """A duration given in milliseconds (latencies), as `seconds` writes it."""
     return seconds(value / 1000 if _is_real(value) else value)
@@ -114,6 +134,7 @@ FILTERS: dict[str, Callable[..., Any]] = {
     "number": number,
     "duration": duration,
     "seconds": seconds,
+    "span": span,
     "milliseconds": milliseconds,
     "measure": measure,
     "text": message_text,

@@ -47,6 +47,7 @@ from storage.dashboard import (
 )
 from storage.database import Database
 from storage.jobs import RunInfo, get_run, list_runs
+from storage.learning_latency import learning_latency
 from storage.policies import PolicyInfo, get_policy, list_adapters, list_policies
 from storage.rollouts import list_pins, list_rollouts
 from storage.rollups import refresh_if_stale
@@ -482,8 +483,8 @@ class DashboardPages(Controller):
         name: FromPath[PathName],
         session: NamedDependency[AsyncSession],
     ) -> Template:
-        """One policy: versions (promote, rollback) and their live reward, rollouts and pins, schedule (pause,
-        resume), configuration, recent changes."""
+        """One policy: versions (promote, rollback), their live reward and how long the serving one took from
+        reward to serving, rollouts and pins, schedule (pause, resume), configuration, recent changes."""
         info = await get_policy(session, name)
         if info is None:
             raise NotFound(f"no policy named {name!r}", code="policy_not_found")
@@ -511,6 +512,7 @@ class DashboardPages(Controller):
                 live=list(reversed(live)),
                 live_chart=_live_reward_chart(live),
                 live_days=POLICY_PAGE_REWARD_WINDOW.days,
+                latency=next(iter(await learning_latency(session, name)), None),
                 rollouts=await list_rollouts(session, name, 10),
                 pins=await list_pins(session, name),
             ),

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gateway.dashboard.charts import Chart, Marker, Series, number_axis, render, time_axis
-from gateway.dashboard.formatting import compact, milliseconds, number, seconds
+from gateway.dashboard.formatting import compact, milliseconds, number, seconds, span
 
 SCIENTIFIC = re.compile(r"\d[eE][+-]?\d")
 
@@ -64,6 +64,25 @@ def test_axis_ticks_are_compact(value: float, text: str) -> None:
 def test_durations_are_in_the_unit_a_person_reads(ms: float, text: str) -> None:
     assert milliseconds(ms) == text
     assert seconds(ms / 1000) == text
+
+
+@pytest.mark.parametrize(
+    ("s", "text"),
+    [
+        (0.45, "450 ms"),
+        (42, "42 s"),
+        (60, "1 min"),
+        (252, "4 min 12 s"),
+        (3600, "1 h"),
+        (3661, "1 h 1 min"),  # the seconds cut off
+        (11_700, "3 h 15 min"),
+        (187_200, "2 d 4 h"),
+        (-252, "-4 min 12 s"),
+        (None, "–"),
+    ],
+)
+def test_long_waits_read_in_their_two_largest_units(s: float | None, text: str) -> None:
+    assert span(s) == text
 
 
 def _ticks(svg: str) -> list[str]:

@@ -88,3 +88,34 @@ def test_dashboard_panels_do_not_overlap() -> None:
         cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not cells & taken, f"panel {panel['title']!r} overlaps another"
         taken |= cells
+
+
+def grafana_panel() -> dict[str, Any]:
+    """The dashboard docs/operations.md offers to import ("Grafana panel")."""
+    guide = (DOCKER.parent / "docs" / "operations.md").read_text()
+    block = re.search(r"### Grafana panel\n.*?```json\n(.*?)```", guide, re.S)
+    assert block is not None, "docs/operations.md has no Grafana panel"
+    loaded: dict[str, Any] = json.loads(block.group(1))
+    return loaded
+
+
+def test_the_documented_grafana_panel_imports_with_any_prometheus() -> None:
+    dashboard = grafana_panel()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    (panel,) = dashboard["panels"]
+    assert panel["repeat"] == "version" and "version" in variables and "policy" in variables
+    assert panel["datasource"]["uid"] == "${datasource}"
+    legends = set()
+    for target in panel["targets"]:
+        assert target["datasource"]["uid"] == "${datasource}"
+        assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+        assert 'policy="$policy"' in target["expr"], target["expr"]
+        legends.add(target["legendFormat"])
+    assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
+    # Each band fills down to a series the panel draws (a legend's {{label}} stands for any value).
+    names = [re.compile(".+".join(map(re.escape, re.split(r"\{\{\w+\}\}", legend)))) for legend in legends]
+    for override in panel["fieldConfig"]["overrides"]:
+        for prop in override["properties"]:
+            if prop["id"] == "custom.fillBelowTo":
+                assert any(name.fullmatch(prop["value"]) for name in names), prop["value"]
