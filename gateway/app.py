@@ -56,6 +56,7 @@ from gateway.responses.store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from gateway.shadow import ShadowTap
 from gateway.tracing import CallTracer, build_tracer
 from storage.database import Database
 
@@ -80,6 +81,7 @@ class Services:
     mcp: McpEndpoint
     metrics: GatewayMetrics | None = None
     tracer: CallTracer | None = None
+    shadow: ShadowTap | None = None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -217,6 +219,18 @@ def build_services(
         else None
     )
     tracer = build_tracer(settings)
+    # Only an engine that serves adapters has versions to shadow.
+    shadow = (
+        ShadowTap(
+            engine,
+            router,
+            database,
+            queue_size=settings.shadow_queue,
+            concurrency=settings.shadow_concurrency,
+        )
+        if engine.capabilities.adapters and settings.shadow_queue > 0
+        else None
+    )
     chat = ChatService(
         engine,
         router,
@@ -228,6 +242,7 @@ def build_services(
         tracer=tracer,
         database=database,
         stitch_lookup_wait_ms=settings.stitch_lookup_wait_ms,
+        shadow=shadow,
     )
     responses = ResponsesService(
         chat,
@@ -274,6 +289,7 @@ def build_services(
         mcp,
         metrics,
         tracer,
+        shadow,
     )
 
 
@@ -399,6 +415,8 @@ def create_app(services: Services) -> Litestar:
         await services.sink.start()
         await services.keys.start(services.database, settings.policy_refresh_s)
         await services.router.start()
+        if services.shadow is not None:
+            await services.shadow.start()
         await services.chat.warm(services.database)
         await services.feedback.start()
         await services.jobs.start()
@@ -416,6 +434,8 @@ def create_app(services: Services) -> Litestar:
             await services.mcp.stop()
             await services.jobs.stop()
             await services.feedback.stop()
+            if services.shadow is not None:  # before the router: its copies hold adapters in flight
+                await services.shadow.stop()
             await services.router.stop()
             await services.keys.stop()
             await services.sink.stop()

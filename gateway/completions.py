@@ -103,7 +103,9 @@ class RelayService:
         )
         episode = assign_episode(headers.get("x-episode-id"), metadata, hashes, self.chat.stitch)
         user = body.get("user")
-        route = self.router.assign(route, principal, user if isinstance(user, str) and user else episode.episode_id)
+        route = self.router.assign(
+            route, principal, user if isinstance(user, str) and user else episode.episode_id
+        )
         supplied = headers.get("x-request-id")
         return RelayContext(
             call_id=new_id(),
