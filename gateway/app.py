@@ -213,12 +213,6 @@ def build_services(
         memory_limit_bytes=settings.capture_memory_bytes,
         require_durable=settings.capture_require_durable,
     )
-    metrics = (
-        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink, peers=peers)
-        if settings.metrics
-        else None
-    )
-    tracer = build_tracer(settings)
     # Only an engine that serves adapters has versions to shadow.
     shadow = (
         ShadowTap(
@@ -231,6 +225,14 @@ def build_services(
         if engine.capabilities.adapters and settings.shadow_queue > 0
         else None
     )
+    metrics = (
+        GatewayMetrics(
+            settings, database=database, engine=engine, router=router, sink=sink, peers=peers, shadow=shadow
+        )
+        if settings.metrics
+        else None
+    )
+    tracer = build_tracer(settings)
     chat = ChatService(
         engine,
         router,

@@ -213,6 +213,8 @@ def test_a_full_queue_drops_and_counts_without_delaying_calls(
             )
             assert response.status_code == 200, response.text
     assert tap.counts == {"copied": 2, "dropped": 3}
+    scrape = httpx.get(gw.url + "/metrics", timeout=10).text
+    assert 'kaizen_shadow_calls_total{status="dropped"} 3.0' in scrape
     gw.flush()
     assert count(url, "calls") == 5
     assert count(url, "shadow_pairs") == 0
