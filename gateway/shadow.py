@@ -176,9 +176,8 @@ class ShadowTap:
         )
         messages: list[Any] = list(copy.body.get("messages") or [])
         served, shadow = copy.served, captured.response["choices"][0]["message"]
-        if (
-            copy.redactor is not None
-        ):  # stored as the call itself was: nothing unredacted reaches the database
+        # Stored as the call itself was: nothing unredacted reaches the database.
+        if copy.redactor is not None:
             messages, served, shadow = (copy.redactor.value(v) for v in (messages, served, shadow))
         self._pending.append(
             NewPair(copy.rollout_id, copy.call_id, messages, served, shadow, datetime.now(UTC))
