@@ -21,7 +21,7 @@ from gateway.settings import async_database_url
 from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy
-from storage.rollouts import RolloutInfo, get_rollout, start_rollout
+from storage.rollouts import RolloutInfo, end_rollout, get_rollout, start_rollout
 from storage.shadows import NewPair, add_pairs, paired_differences, set_scores, unscored_pairs
 from tests.conftest import query
 from tests.integration.test_chat_capture import client
@@ -217,6 +217,28 @@ def test_a_full_queue_drops_and_counts_without_delaying_calls(
     assert 'kaizen_shadow_calls_total{status="dropped"} 3.0' in scrape
     gw.flush()
     assert count(url, "calls") == 5
+    assert count(url, "shadow_pairs") == 0
+
+
+def test_a_copy_waiting_when_its_rollout_ends_is_not_answered(
+    make_gateway: MakeGateway, upstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ended.db'}"
+    gw = shadow_gateway(make_gateway, upstream, url)
+    policy, rollout_id = shadowed_policy(url, gw.settings.data_dir, 1.0)
+    trial_seen(gw, policy)
+    tap = gw.services.shadow
+    assert tap is not None
+    gw.call(tap.stop())
+    client(gw).chat.completions.create(model=policy, messages=[{"role": "user", "content": "late"}])
+    assert tap.counts == {"copied": 1}
+    run_db(url, lambda session: end_rollout(session, rollout_id, "stopped", reason="test", actor="test"))
+    wait_until(
+        lambda: gw.services.router.policies[policy].trial is None, "the gateway to see the rollout end"
+    )
+    gw.call(tap.start())
+    wait_until(lambda: tap.counts == {"copied": 1, "stale": 1}, "the copy to be given up")
+    assert not [r for r in upstream.requests if r.body.get("model") == f"{policy}@1"]
     assert count(url, "shadow_pairs") == 0
 
 
