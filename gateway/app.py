@@ -57,6 +57,7 @@ from gateway.responses.store import ResponseStore
 from gateway.routing import ModelRouter
 from gateway.scheduling import Jobs
 from gateway.settings import Settings
+from gateway.shadow import ShadowTap
 from gateway.tracing import CallTracer, build_tracer
 from storage.database import Database
 
@@ -81,6 +82,7 @@ class Services:
     mcp: McpEndpoint
     metrics: GatewayMetrics | None = None
     tracer: CallTracer | None = None
+    shadow: ShadowTap | None = None
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -212,8 +214,22 @@ def build_services(
         memory_limit_bytes=settings.capture_memory_bytes,
         require_durable=settings.capture_require_durable,
     )
+    # Only an engine that serves adapters has versions to shadow.
+    shadow = (
+        ShadowTap(
+            engine,
+            router,
+            database,
+            queue_size=settings.shadow_queue,
+            concurrency=settings.shadow_concurrency,
+        )
+        if engine.capabilities.adapters and settings.shadow_queue > 0
+        else None
+    )
     metrics = (
-        GatewayMetrics(settings, database=database, engine=engine, router=router, sink=sink, peers=peers)
+        GatewayMetrics(
+            settings, database=database, engine=engine, router=router, sink=sink, peers=peers, shadow=shadow
+        )
         if settings.metrics
         else None
     )
@@ -229,6 +245,7 @@ def build_services(
         tracer=tracer,
         database=database,
         stitch_lookup_wait_ms=settings.stitch_lookup_wait_ms,
+        shadow=shadow,
     )
     responses = ResponsesService(
         chat,
@@ -275,6 +292,7 @@ def build_services(
         mcp,
         metrics,
         tracer,
+        shadow,
     )
 
 
@@ -400,6 +418,8 @@ def create_app(services: Services) -> Litestar:
         await services.sink.start()
         await services.keys.start(services.database, settings.policy_refresh_s)
         await services.router.start()
+        if services.shadow is not None:
+            await services.shadow.start()
         await services.chat.warm(services.database)
         await services.feedback.start()
         await services.jobs.start()
@@ -417,6 +437,8 @@ def create_app(services: Services) -> Litestar:
             await services.mcp.stop()
             await services.jobs.stop()
             await services.feedback.stop()
+            if services.shadow is not None:  # before the router: its copies hold adapters in flight
+                await services.shadow.stop()
             await services.router.stop()
             await services.keys.stop()
             await services.sink.stop()

@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -45,6 +45,9 @@ from storage.calls import find_stitched_episode, recent_stitch_keys
 from storage.database import Database
 from storage.models import EPISODE_SOURCE_TRAFFIC, GROUP_KEY_LENGTH, USER_LENGTH
 from storage.records import CallRecord, ResponseRecord
+
+if TYPE_CHECKING:
+    from gateway.shadow import ShadowTap
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class CallContext:
     trace_parent: dict[str, str] | None = None
     # The database lookup of an unknown follow-up's earlier turn, running while the engine answers.
     stitch_lookup: asyncio.Task[tuple[str, str] | None] | None = None
+    # What keeps a user's (else a conversation's) calls on one side of a rollout's share: `user`, else the episode.
+    sticky: str = ""
 
 
 class EventSource(Protocol):
@@ -160,7 +165,7 @@ def _allowed_names(choice: AllowedToolsChoice) -> set[str]:
     return names
 
 
-def _narrowed_tools(tools: list[Any], choice: AllowedToolsChoice) -> dict[str, Any]:
+def narrowed_tools(tools: list[Any], choice: AllowedToolsChoice) -> dict[str, Any]:
     """`allowed_tools` for an engine without it: the allowed tools alone under the choice's mode, the same
     constraint (the prompt then lists only those, which are all the model may call anyway)."""
     allowed = _allowed_names(choice)
@@ -190,6 +195,7 @@ class ChatService:
         tracer: CallTracer | None = None,
         database: Database | None = None,
         stitch_lookup_wait_ms: float = 0.0,
+        shadow: ShadowTap | None = None,
     ) -> None:
         self.engine = engine
         self.router = router
@@ -201,6 +207,7 @@ class ChatService:
         self.tracer = tracer
         self.database = database
         self.stitch_lookup_wait_s = stitch_lookup_wait_ms / 1000
+        self.shadow = shadow
         self._lookups = 0  # stitch lookups in flight, capped so a burst cannot take the database pool
         # Calls captured with a provisional episode, until stored: their tails' stitch keys.
         self._provisional: dict[str, list[str]] = {}
@@ -341,7 +348,8 @@ class ChatService:
         if header_episode is None and continues is not None and "episode_id" not in (request.metadata or {}):
             header_episode = continues
         episode = assign_episode(header_episode, request.metadata, hashes, self.stitch)
-        route = self.router.assign(route, principal, request.user or episode.episode_id)
+        sticky = request.user or episode.episode_id
+        route = self.router.assign(route, principal, sticky)
         supplied = headers.get("x-request-id")
         group_key = (request.metadata or {}).get("group_key") or _group_key(headers.get("x-kaizen-group-key"))
         sent_source = headers.get("x-kaizen-source")
@@ -365,6 +373,7 @@ class ChatService:
             group_key=group_key,
             source=source,
             stitch_lookup=lookup,
+            sticky=sticky,
         )
 
     def _check(self, request: ChatCompletionRequest) -> None:
@@ -421,7 +430,7 @@ class ChatService:
         if ctx.request.stream:
             body["stream_options"] = {**(ctx.body.get("stream_options") or {}), "include_usage": True}
         if isinstance(ctx.request.tool_choice, AllowedToolsChoice) and not caps.allowed_tools:
-            body.update(_narrowed_tools(body.get("tools") or [], ctx.request.tool_choice))
+            body.update(narrowed_tools(body.get("tools") or [], ctx.request.tool_choice))
         return body
 
     async def _acquire(self, ctx: CallContext) -> None:
@@ -533,6 +542,8 @@ class ChatService:
             )
         if refused:
             raise CaptureUnavailable()
+        if self.shadow is not None and captured is not None and status == "ok" and ctx.capture:
+            self.shadow.offer(ctx, captured)  # a copy for a shadow rollout's candidate, answered later
 
     def _capture(
         self,

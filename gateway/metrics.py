@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -56,6 +57,9 @@ from gateway.settings import Settings
 from storage.database import Database
 from storage.learning_latency import LatencyKey, LearningLatency
 from storage.monitoring import LIVE_REWARD_WINDOW, StoreCounts, store_counts
+
+if TYPE_CHECKING:  # the tap is built on the chat service, which counts calls here
+    from gateway.shadow import ShadowTap
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +236,9 @@ _CAPTURE_GAUGES = {
 }
 
 
+_SHADOW_STATUSES = ("copied", "dropped", "stored", "lost", "failed", "stale")
+
+
 class _ScrapeCollector(Collector):
     """Turns what `GatewayMetrics.refresh` gathered into metric families; does no I/O itself."""
 
@@ -245,6 +252,8 @@ class _ScrapeCollector(Collector):
         owner = self.owner
         yield from self._capture(owner.sink)
         yield from self._engine(owner)
+        if owner.shadow is not None:
+            yield from self._shadow(owner.shadow)
         if owner.store is not None:
             yield from self._store(owner.store)
         ok = GaugeMetricFamily(
@@ -261,6 +270,19 @@ class _ScrapeCollector(Collector):
             yield CounterMetricFamily(f"kaizen_capture_{name}", text, value=float(snapshot[name]))
         for name, text in _CAPTURE_GAUGES.items():
             yield GaugeMetricFamily(f"kaizen_capture_{name}", text, value=float(snapshot[name]))
+
+    @staticmethod
+    def _shadow(shadow: ShadowTap) -> Iterable[Metric]:
+        calls = CounterMetricFamily(
+            "kaizen_shadow_calls",
+            "Calls copied to a shadow rollout's candidate (copied), not copied because the queue was full "
+            "(dropped), and what became of the copies: pairs stored, lost with a batch the database refused, "
+            "failed in the engine, or stale (the rollout ended first).",
+            labels=["status"],
+        )
+        for status in _SHADOW_STATUSES:
+            calls.add_metric([status], float(shadow.counts[status]))
+        yield calls
 
     @staticmethod
     def _engine(owner: GatewayMetrics) -> Iterable[Metric]:
@@ -549,8 +571,10 @@ class GatewayMetrics:
         router: ModelRouter,
         sink: CaptureSink,
         peers: MetricsPeers | None = None,
+        shadow: ShadowTap | None = None,
     ) -> None:
         self.peers = peers
+        self.shadow = shadow
         self._peer_server: asyncio.Server | None = None
         self.database = database
         self.engine = engine

@@ -177,6 +177,17 @@ class Settings(BaseSettings):
     adapter_idle_unload_s: float = Field(
         300.0, ge=0, description="Unload an adapter version that is not active and unused for this long."
     )
+    shadow_queue: int = Field(
+        256,
+        ge=0,
+        description="Calls a shadow rollout copies to its candidate wait in a queue of this many; a call copied "
+        "while it is full is not shadowed (counted as dropped). 0: this gateway shadows no call.",
+    )
+    shadow_concurrency: int = Field(
+        2,
+        ge=1,
+        description="Copied calls the candidate of a shadow rollout answers at once, beside the live traffic.",
+    )
     upstream_url: str = Field(
         "http://127.0.0.1:8001/v1", description="Base URL (ending in /v1) of the OpenAI-compatible upstream."
     )
