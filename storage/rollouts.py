@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.audit import record_audit
 from storage.models import Adapter, Policy, Rollout, VersionPin
-from storage.policies import activate_version, get_adapter, get_policy
+from storage.policies import activate_version, get_adapter, get_policy, mark_serving
 
 RolloutMode = Literal["canary", "split", "shadow"]
 ROLLOUT_MODES: tuple[RolloutMode, ...] = ("canary", "split", "shadow")
@@ -88,17 +88,6 @@ def _rollout(row: Rollout, policy: str) -> RolloutInfo:
         row.actor,
         row.started_at,
         row.decided_at,
-    )
-
-
-async def mark_serving(
-    session: AsyncSession, policy_id: int, version: int, at: datetime | None = None
-) -> None:
-    """Record when `version` first served traffic (kept once set)."""
-    await session.execute(
-        update(Adapter)
-        .where(Adapter.policy_id == policy_id, Adapter.version == version, Adapter.serving_since.is_(None))
-        .values(serving_since=at or datetime.now(UTC))
     )
 
 
