@@ -599,3 +599,42 @@ def test_a_candidate_that_passed_the_gate_goes_on_trial_when_the_policy_asks(
     with pytest.raises(InvalidPolicyConfig, match="canary_share or shadow_share"):
         load_policy_config({"rollout": {"canary_share": 0.1, "shadow_share": 0.1}})
     assert on_database(database_url, lambda s: shipped(s, 2, shadow))[0] == "shadow"
+
+
+def test_the_monitor_decides_a_shadow_on_its_scored_pairs(database_url: str, tmp_path: Path) -> None:
+    """A shadow serves nobody: its scored pairs (shadow minus served reward, paired on the same call) decide."""
+    from migrations.runner import upgrade_database
+    from storage.shadows import NewPair, add_pairs, set_scores, unscored_pairs
+
+    asyncio.run(upgrade_database(async_database_url(database_url)))
+    register_versions(database_url, tmp_path, 3)
+    rule = {"min_episodes": 20, "margin": 0.05, "tau": 0.1}
+
+    def shadow_with(version: int, served: Callable[[int], float], shadow: Callable[[int], float]) -> Any:
+        async def seed(session: AsyncSession) -> Any:
+            rollout = await start_rollout(
+                session, "bot", version, mode="shadow", share=0.5, actor="t", config=rule
+            )
+            now = datetime.now(UTC)
+            reply = {"role": "assistant", "content": "Paris."}
+            pairs = [NewPair(rollout.id, f"c{version}-{i}", [], reply, reply, now) for i in range(40)]
+            await add_pairs(session, pairs)
+            stored = await unscored_pairs(session, rollout.id, 100)
+            await set_scores(session, [(p.id, served(i), shadow(i)) for i, p in enumerate(stored)])
+            return rollout
+
+        return on_database(database_url, seed)
+
+    # The candidate loses 0.4 on every other call: rolled back on the pairs alone, no call was ever served by it.
+    worse = shadow_with(1, lambda i: 0.8, lambda i: 0.8 - 0.4 * (i % 2))
+    [verdict] = looked(database_url)
+    assert verdict.decision == "rollback" and "40 scored pairs" in verdict.reason, verdict
+    ended = on_database(database_url, lambda s: list_rollouts(s, "bot"))[0]
+    assert (ended.id, ended.status, ended.stats["paired"]["n"]) == (worse.id, "rolled_back", 40)
+    assert ended.stats["candidate"]["health"]["calls"] == 0
+    # Equal on every pair but noise of ±0.05: promoted.
+    shadow_with(2, lambda i: 0.7, lambda i: 0.7 + 0.05 * (-1) ** i)
+    [verdict] = looked(database_url)
+    assert verdict.decision == "promote", verdict
+    policy = on_database(database_url, lambda s: get_policy(s, "bot"))
+    assert policy is not None and policy.active_version == 2
