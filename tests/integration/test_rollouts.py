@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -42,28 +42,13 @@ from storage.rollouts import (
 from tests.support.dashboard import login
 from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
-from tests.support.sql import fetch_rows
+from tests.support.sql import fetch_rows, in_session
 from tests.support.upstream_process import UpstreamProcess
 from trainer.control.canary import gather, judge, watch
 from trainer.control.policy_config import InvalidPolicyConfig, RolloutConfig, load_policy_config
 
 MakeGateway = Callable[..., GatewayServer]
 ADMIN = {"authorization": "Bearer adm"}
-T = TypeVar("T")
-
-
-def on_database(url: str, job: Callable[[AsyncSession], Awaitable[T]]) -> T:
-    async def run() -> T:
-        database = Database(async_database_url(url))
-        try:
-            async with database.session() as session:
-                result = await job(session)
-                await session.commit()
-                return result
-        finally:
-            await database.dispose()
-
-    return asyncio.run(run())
 
 
 def register_versions(url: str, data_dir: Path, versions: int, config: dict[str, Any] | None = None) -> None:
@@ -79,7 +64,7 @@ def register_versions(url: str, data_dir: Path, versions: int, config: dict[str,
             await add_adapter(session, policy.id, version, str(path), status="candidate")
         await activate_version(session, policy.id, 0)
 
-    on_database(url, register)
+    in_session(url, register)
 
 
 @pytest.fixture
@@ -321,13 +306,13 @@ def test_the_monitor_rolls_back_a_worse_canary_and_records_why_everywhere(
 
     [verdict] = looked(database_url)
     assert verdict.decision == "rollback" and verdict.reason.startswith("worse: difference"), verdict
-    stored = on_database(database_url, lambda s: list_rollouts(s, "bot"))[0]
+    stored = in_session(database_url, lambda s: list_rollouts(s, "bot"))[0]
     assert (stored.id, stored.status, stored.decided_at is not None) == (rollout["id"], "rolled_back", True)
     assert stored.stats["difference"]["high"] < -RULE["margin"]
     assert stored.stats["candidate"]["rewarded"] >= 10 and stored.stats["baseline"]["rewarded"] >= 10
-    policy = on_database(database_url, lambda s: get_policy(s, "bot"))
+    policy = in_session(database_url, lambda s: get_policy(s, "bot"))
     assert policy is not None and policy.active_version == 0
-    assert on_database(database_url, lambda s: get_adapter(s, policy.id, 1)).status == "rejected"  # type: ignore[union-attr]
+    assert in_session(database_url, lambda s: get_adapter(s, policy.id, 1)).status == "rejected"  # type: ignore[union-attr]
     audit = asyncio.run(
         fetch_rows(database_url, "SELECT actor, action FROM audit WHERE action LIKE 'rollout.%'")
     )
@@ -354,7 +339,7 @@ def test_the_monitor_promotes_a_canary_that_is_no_worse(
     [verdict] = looked(database_url)
     assert verdict.decision == "promote" and verdict.reason.startswith("no worse"), verdict
     assert verdict.interval is not None and verdict.interval.low > -rule["margin"]
-    policy = on_database(database_url, lambda s: get_policy(s, "bot"))
+    policy = in_session(database_url, lambda s: get_policy(s, "bot"))
     assert policy is not None and policy.active_version == 1
     wait_until(lambda: serves(gateway, "bot@1", user="anyone"), "the promoted version to serve")
 
@@ -382,7 +367,7 @@ def test_health_guards_roll_back_a_canary_that_answers_nothing_before_any_reward
 
     asyncio.run(upgrade_database(async_database_url(database_url)))
     register_versions(database_url, tmp_path, 2, {"rollout": RULE})
-    rollout = on_database(
+    rollout = in_session(
         database_url,
         lambda s: start_rollout(s, "bot", 1, mode="canary", share=0.5, actor="test", config=dict(RULE)),
     )
@@ -390,8 +375,8 @@ def test_health_guards_roll_back_a_canary_that_answers_nothing_before_any_reward
     calls = [record(f"a{i}", 0, "Paris.", created_at=now + i / 1000) for i in range(30)]
     calls += [record(f"c{i}", 1, "" if i % 5 else "Paris.", created_at=now + i / 1000) for i in range(30)]
 
-    on_database(database_url, lambda s: write_calls(s, calls))
-    evidence = on_database(database_url, lambda s: gather(s, rollout))
+    in_session(database_url, lambda s: write_calls(s, calls))
+    evidence = in_session(database_url, lambda s: gather(s, rollout))
     assert (evidence.candidate.health.calls, evidence.baseline.health.calls) == (30, 30)
     assert evidence.candidate.health.empty_share == pytest.approx(24 / 30)
     assert evidence.candidate.rewards.episodes == 0
@@ -406,11 +391,11 @@ def test_an_undecided_canary_ends_as_on_timeout_says(database_url: str, tmp_path
 
     asyncio.run(upgrade_database(async_database_url(database_url)))
     register_versions(database_url, tmp_path, 2)
-    rollout = on_database(
+    rollout = in_session(
         database_url, lambda s: start_rollout(s, "bot", 1, mode="canary", share=0.1, actor="test", config={})
     )
     later = rollout.started_at.replace(tzinfo=UTC) + timedelta(hours=25)
-    evidence = on_database(database_url, lambda s: gather(s, rollout, later))
+    evidence = in_session(database_url, lambda s: gather(s, rollout, later))
     verdict = judge("canary", evidence, RolloutConfig())
     assert verdict.decision == "rollback" and "undecided after 24 h" in verdict.reason
     assert judge("canary", evidence, RolloutConfig(on_timeout="promote")).decision == "promote"
@@ -430,22 +415,22 @@ def test_a_switch_by_hand_settles_the_running_rollout_and_retention_keeps_trial_
         return [a.version for a in await prune_adapters(session, policy.id, 0, keep=1)]
 
     # keep=1 keeps the newest (3) and the active (0); the trial (1) and the pinned (2) stay as well.
-    assert on_database(database_url, prune) == []
+    assert in_session(database_url, prune) == []
     promoted = httpx.post(
         gateway.url + "/admin/policies/bot/promote", json={"version": 1}, headers=ADMIN, timeout=10
     )
     assert promoted.status_code == 200, promoted.text
-    ended = on_database(database_url, lambda s: list_rollouts(s, "bot"))[0]
+    ended = in_session(database_url, lambda s: list_rollouts(s, "bot"))[0]
     assert (ended.id, ended.status, ended.reason) == (first["id"], "promoted", "promoted by hand")
     second = start(gateway, version=3, share=0.2)
     rolled = httpx.post(gateway.url + "/admin/policies/bot/rollback", headers=ADMIN, timeout=10)
     assert rolled.status_code == 200, rolled.text
-    stopped = on_database(database_url, lambda s: list_rollouts(s, "bot"))[0]
+    stopped = in_session(database_url, lambda s: list_rollouts(s, "bot"))[0]
     assert (stopped.id, stopped.status) == (second["id"], "stopped")
-    assert on_database(database_url, lambda s: running_rollout(s, "bot")) is None
+    assert in_session(database_url, lambda s: running_rollout(s, "bot")) is None
     # Ending twice is refused, by hand as by a second monitor.
     with pytest.raises(RolloutRefused):
-        on_database(
+        in_session(
             database_url, lambda s: end_rollout(s, second["id"], "promoted", reason="again", actor="t")
         )
     again = httpx.post(
@@ -480,10 +465,10 @@ def test_a_decision_lands_in_the_run_that_made_the_version(database_url: str, tm
         )
         return run_id, rollout.id
 
-    run_id, rollout_id = on_database(database_url, begin)
+    run_id, rollout_id = in_session(database_url, begin)
     [verdict] = looked(database_url, datetime.now(UTC) + timedelta(hours=2))  # undecided at max_hours
     assert verdict.decision == "rollback"
-    run = on_database(database_url, lambda s: get_run(s, run_id))
+    run = in_session(database_url, lambda s: get_run(s, run_id))
     assert run is not None and run.metrics["rollout"]["id"] == rollout_id
     assert run.metrics["rollout"]["status"] == "rolled_back"
 
@@ -500,7 +485,7 @@ def test_the_cli_starts_lists_and_ends_rollouts_and_sets_pins(
     assert (
         main(["policy", "rollout", "start", "bot", "1", "--share", "0.25", "--rule", '{"alpha": 0.01}']) == 0
     )
-    running = on_database(database_url, lambda s: running_rollout(s, "bot"))
+    running = in_session(database_url, lambda s: running_rollout(s, "bot"))
     assert running is not None and (running.mode, running.share, running.config["alpha"]) == (
         "canary",
         0.25,
@@ -533,7 +518,7 @@ def test_late_rewards_count_for_the_version_that_served(database_url: str, tmp_p
     register_versions(database_url, tmp_path, 2)
     now = datetime.now(UTC).timestamp()
 
-    on_database(database_url, lambda s: write_calls(s, [record("late", 1, "Paris.", created_at=now)]))
+    in_session(database_url, lambda s: write_calls(s, [record("late", 1, "Paris.", created_at=now)]))
 
     async def reward(session: AsyncSession) -> None:
         from storage.models import Episode
@@ -543,8 +528,8 @@ def test_late_rewards_count_for_the_version_that_served(database_url: str, tmp_p
         episode.reward = 0.75
 
     # The active version moved on to 0 long before the reward came.
-    on_database(database_url, reward)
-    stats = on_database(database_url, lambda s: version_rewards(s, "bot"))
+    in_session(database_url, reward)
+    stats = in_session(database_url, lambda s: version_rewards(s, "bot"))
     assert stats[1].episodes == 1 and stats[1].mean == 0.75 and 0 not in stats
 
 
@@ -570,25 +555,25 @@ def test_a_candidate_that_passed_the_gate_goes_on_trial_when_the_policy_asks(
         run_id = await start_run(session, policy.id, policy.active_version, {})
         return await ship(session, policy, run_id, version), run_id
 
-    assert on_database(database_url, lambda s: shipped(s, 1, {}))[0] == "promoted"
+    assert in_session(database_url, lambda s: shipped(s, 1, {}))[0] == "promoted"
     canary = {"rollout": {"canary_share": 0.2, "min_episodes": 50}}
-    mode, run_id = on_database(database_url, lambda s: shipped(s, 2, canary))
+    mode, run_id = in_session(database_url, lambda s: shipped(s, 2, canary))
     assert mode == "canary"
-    trial = on_database(database_url, lambda s: running_rollout(s, "bot"))
+    trial = in_session(database_url, lambda s: running_rollout(s, "bot"))
     assert trial is not None and (trial.version, trial.baseline_version, trial.share) == (2, 1, 0.2)
     assert (trial.actor, trial.run_id, trial.config["min_episodes"]) == ("canary", run_id, 50)
-    run = on_database(database_url, lambda s: get_run(s, run_id))
+    run = in_session(database_url, lambda s: get_run(s, run_id))
     assert run is not None and run.metrics["rollout"] == {
         "id": trial.id,
         "mode": "canary",
         "share": 0.2,
         "status": "running",
     }
-    policy = on_database(database_url, lambda s: get_policy(s, "bot"))
+    policy = in_session(database_url, lambda s: get_policy(s, "bot"))
     assert policy is not None and policy.active_version == 1  # still the old one while the canary runs
 
-    assert on_database(database_url, lambda s: shipped(s, 3, canary))[0] == "canary"
-    newest, older = on_database(database_url, lambda s: list_rollouts(s, "bot"))[:2]
+    assert in_session(database_url, lambda s: shipped(s, 3, canary))[0] == "canary"
+    newest, older = in_session(database_url, lambda s: list_rollouts(s, "bot"))[:2]
     assert (newest.version, newest.status) == (3, "running")
     assert (older.version, older.status, older.reason) == (
         2,
@@ -598,7 +583,7 @@ def test_a_candidate_that_passed_the_gate_goes_on_trial_when_the_policy_asks(
     shadow = {"rollout": {"shadow_share": 0.3}}
     with pytest.raises(InvalidPolicyConfig, match="canary_share or shadow_share"):
         load_policy_config({"rollout": {"canary_share": 0.1, "shadow_share": 0.1}})
-    assert on_database(database_url, lambda s: shipped(s, 2, shadow))[0] == "shadow"
+    assert in_session(database_url, lambda s: shipped(s, 2, shadow))[0] == "shadow"
 
 
 def test_the_monitor_decides_a_shadow_on_its_scored_pairs(database_url: str, tmp_path: Path) -> None:
@@ -623,18 +608,18 @@ def test_the_monitor_decides_a_shadow_on_its_scored_pairs(database_url: str, tmp
             await set_scores(session, [(p.id, served(i), shadow(i)) for i, p in enumerate(stored)])
             return rollout
 
-        return on_database(database_url, seed)
+        return in_session(database_url, seed)
 
     # The candidate loses 0.4 on every other call: rolled back on the pairs alone, no call was ever served by it.
     worse = shadow_with(1, lambda i: 0.8, lambda i: 0.8 - 0.4 * (i % 2))
     [verdict] = looked(database_url)
     assert verdict.decision == "rollback" and "40 scored pairs" in verdict.reason, verdict
-    ended = on_database(database_url, lambda s: list_rollouts(s, "bot"))[0]
+    ended = in_session(database_url, lambda s: list_rollouts(s, "bot"))[0]
     assert (ended.id, ended.status, ended.stats["paired"]["n"]) == (worse.id, "rolled_back", 40)
     assert ended.stats["candidate"]["health"]["calls"] == 0
     # Equal on every pair but noise of ±0.05: promoted.
     shadow_with(2, lambda i: 0.7, lambda i: 0.7 + 0.05 * (-1) ** i)
     [verdict] = looked(database_url)
     assert verdict.decision == "promote", verdict
-    policy = on_database(database_url, lambda s: get_policy(s, "bot"))
+    policy = in_session(database_url, lambda s: get_policy(s, "bot"))
     assert policy is not None and policy.active_version == 2

@@ -29,28 +29,13 @@ from tests.support.gateway_server import GatewayServer
 from tests.support.polling import wait_until
 from tests.support.scripted_judge import default_answer
 from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.sql import in_session
 from trainer.control.policy_config import RewardConfig
 from trainer.control.ruler import Completion, JudgeSettings
 from trainer.control.scoring import Scorer
 from trainer.control.shadow_scoring import score_shadow_pairs
 
 MakeGateway = Callable[..., GatewayServer]
-
-
-def run_db(url: str, job: Callable[[Any], Any]) -> Any:
-    """Run `job(session)` in one committed transaction."""
-
-    async def run() -> Any:
-        database = Database(async_database_url(url))
-        try:
-            async with database.session() as session:
-                result = await job(session)
-                await session.commit()
-                return result
-        finally:
-            await database.dispose()
-
-    return asyncio.run(run())
 
 
 def shadowed_policy(
@@ -72,7 +57,7 @@ def shadowed_policy(
         rollout = await start_rollout(session, name, 1, mode="shadow", share=share, actor="test")
         return rollout.id
 
-    return name, run_db(url, register)
+    return name, in_session(url, register)
 
 
 def shadow_gateway(
@@ -232,7 +217,7 @@ def test_a_copy_waiting_when_its_rollout_ends_is_not_answered(
     gw.call(tap.stop())
     client(gw).chat.completions.create(model=policy, messages=[{"role": "user", "content": "late"}])
     assert tap.counts == {"copied": 1}
-    run_db(url, lambda session: end_rollout(session, rollout_id, "stopped", reason="test", actor="test"))
+    in_session(url, lambda session: end_rollout(session, rollout_id, "stopped", reason="test", actor="test"))
     wait_until(
         lambda: gw.services.router.policies[policy].trial is None, "the gateway to see the rollout end"
     )
@@ -285,12 +270,12 @@ def stored_pairs(url: str, data_dir: Path, replies: list[tuple[str, str]]) -> Ro
         assert rollout is not None
         return rollout
 
-    rollout: RolloutInfo = run_db(url, add)
+    rollout: RolloutInfo = in_session(url, add)
     return rollout
 
 
 def differences(url: str, rollout_id: int) -> tuple[int, float, float]:
-    found: tuple[int, float, float] = run_db(url, lambda session: paired_differences(session, rollout_id))
+    found: tuple[int, float, float] = in_session(url, lambda session: paired_differences(session, rollout_id))
     return found
 
 
@@ -341,7 +326,7 @@ def test_one_scored_pair_has_no_variance(tmp_path: Path) -> None:
         [first, _] = await unscored_pairs(session, rollout.id, 10)
         await set_scores(session, [(first.id, 0.25, 1.0)])
 
-    run_db(url, score_one)
+    in_session(url, score_one)
     assert differences(url, rollout.id) == (1, 0.75, 0.0)
 
 
