@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.audit import record_audit
 from storage.models import Adapter, Policy, Rollout, VersionPin
-from storage.policies import activate_version, get_adapter, get_policy, mark_serving
+from storage.policies import PolicyInfo, activate_version, get_adapter, get_policy, mark_serving
 
 RolloutMode = Literal["canary", "split", "shadow"]
 ROLLOUT_MODES: tuple[RolloutMode, ...] = ("canary", "split", "shadow")
@@ -91,6 +91,20 @@ def _rollout(row: Rollout, policy: str) -> RolloutInfo:
     )
 
 
+async def _servable(session: AsyncSession, policy_name: str, version: int) -> PolicyInfo:
+    """The policy, whose `version` may serve: `LookupError` when either is unknown, `RolloutRefused` when
+    the version was rejected (by the gate or a rollback)."""
+    policy = await get_policy(session, policy_name)
+    if policy is None:
+        raise LookupError(f"no policy named {policy_name!r}")
+    adapter = await get_adapter(session, policy.id, version)
+    if adapter is None:
+        raise LookupError(f"policy {policy_name!r} has no version {version}")
+    if adapter.status == "rejected":
+        raise RolloutRefused(f"version {version} was rejected", param="version", code="version_rejected")
+    return policy
+
+
 async def start_rollout(
     session: AsyncSession,
     policy_name: str,
@@ -110,12 +124,7 @@ async def start_rollout(
         raise RolloutRefused(f"mode must be one of {', '.join(ROLLOUT_MODES)}", param="mode")
     if not 0 < share <= 1:
         raise RolloutRefused("share must be above 0 and at most 1", param="share")
-    policy = await get_policy(session, policy_name)
-    if policy is None:
-        raise LookupError(f"no policy named {policy_name!r}")
-    adapter = await get_adapter(session, policy.id, version)
-    if adapter is None:
-        raise LookupError(f"policy {policy_name!r} has no version {version}")
+    policy = await _servable(session, policy_name, version)
     if policy.active_version is None:
         raise RolloutRefused(
             f"policy {policy_name!r} has no active version to compare with; promote one instead",
@@ -124,8 +133,6 @@ async def start_rollout(
         )
     if version == policy.active_version:
         raise RolloutRefused(f"version {version} is the active version", param="version")
-    if adapter.status == "rejected":
-        raise RolloutRefused(f"version {version} was rejected", param="version", code="version_rejected")
     running = await running_rollout(session, policy_name)
     if running is not None:
         raise RolloutRefused(
@@ -250,14 +257,7 @@ async def set_pin(
     version or an unknown scope."""
     if scope not in PIN_SCOPES:
         raise RolloutRefused(f"scope must be one of {', '.join(PIN_SCOPES)}", param="scope")
-    policy = await get_policy(session, policy_name)
-    if policy is None:
-        raise LookupError(f"no policy named {policy_name!r}")
-    adapter = await get_adapter(session, policy.id, version)
-    if adapter is None:
-        raise LookupError(f"policy {policy_name!r} has no version {version}")
-    if adapter.status == "rejected":
-        raise RolloutRefused(f"version {version} was rejected", param="version", code="version_rejected")
+    policy = await _servable(session, policy_name, version)
     await session.execute(
         delete(VersionPin).where(
             VersionPin.policy_id == policy.id, VersionPin.scope == scope, VersionPin.subject == subject
