@@ -50,6 +50,11 @@ class InvalidRequest(APIError):
     status_code = 400
 
 
+def policy_not_found(name: str) -> NotFound:
+    """The 404 of every admin route that names a policy that does not exist."""
+    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+
+
 def invalid_policy_config(exc: InvalidPolicyConfig, param: str = "config") -> InvalidRequest:
     """A 400 whose message names every problem of a submitted policy configuration (`train.epochs: ...`)."""
     return InvalidRequest(str(exc), param=param, code="invalid_policy_config")

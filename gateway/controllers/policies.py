@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
 from gateway.controllers.params import ROW_ID_MAX, PathName, PolicyName
-from gateway.errors import InvalidRequest, NotFound, invalid_policy_config
+from gateway.errors import InvalidRequest, NotFound, invalid_policy_config, policy_not_found
 from gateway.policies import (
     BaseModelUnavailable,
     InvalidOwner,
@@ -124,10 +124,6 @@ def version_reward_view(row: VersionReward) -> VersionRewardView:
     return VersionRewardView(row.version, row.status, s.episodes, s.mean, s.std, s.low, s.high)
 
 
-def _no_policy(name: str) -> NotFound:
-    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
-
-
 async def policy_views(session: AsyncSession, name: str | None = None) -> list[PolicyView]:
     views = []
     for policy in await list_policies(session):
@@ -229,7 +225,7 @@ class PoliciesController(Controller):
         except InvalidOwner as exc:
             raise InvalidRequest(str(exc), param="project", code="invalid_value") from exc
         except LookupError as exc:
-            raise _no_policy(name) from exc
+            raise policy_not_found(name) from exc
         await session.commit()
         [view] = await policy_views(session, name)
         return view
@@ -246,7 +242,7 @@ class PoliciesController(Controller):
         interval. Admin keys see every project's episodes, as on the other admin routes."""
         rows = await policy_version_rewards(session, name, since)
         if rows is None:
-            raise _no_policy(name)
+            raise policy_not_found(name)
         return VersionRewards(name, since, CONFIDENCE, [version_reward_view(row) for row in rows])
 
     @get("/{name:str}/versions/compare")
@@ -265,7 +261,7 @@ class PoliciesController(Controller):
         except UnknownVersion as exc:
             raise NotFound(str(exc), param=exc.param, code="version_not_found") from exc
         if compared is None:
-            raise _no_policy(name)
+            raise policy_not_found(name)
         first, second, found = compared
         return VersionComparison(
             name,

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import principal_of
 from gateway.controllers.params import PathName, Version
 from gateway.controllers.policies import PolicyView, policy_views
-from gateway.errors import NotFound, invalid_policy_config
+from gateway.errors import NotFound, invalid_policy_config, policy_not_found
 from gateway.rollouts import settle_after_switch
 from gateway.scheduling import Jobs
 from storage.audit import record_audit
@@ -48,7 +48,7 @@ class PolicyActions(Controller):
     ) -> PolicyView:
         """Make a version active; gateways switch new calls to it within `KAIZEN_POLICY_REFRESH_S`."""
         if await get_policy(session, name) is None:
-            raise _no_policy(name)
+            raise policy_not_found(name)
         # Added first: `promote` commits, and a refusal rolls the entry back with the session.
         await record_audit(
             session, principal_of(request).actor, "policy.promote", name, {"version": data.version}
@@ -72,7 +72,7 @@ class PolicyActions(Controller):
         """Re-activate the previously active version (it stays loadable, so this is instant)."""
         current = await get_policy(session, name)
         if current is None:
-            raise _no_policy(name)
+            raise policy_not_found(name)
         await record_audit(
             session,
             principal_of(request).actor,
@@ -115,7 +115,7 @@ class PolicyActions(Controller):
 async def _set_paused(session: AsyncSession, jobs: Jobs, actor: str, name: str, paused: bool) -> ScheduleView:
     policy = await get_policy(session, name)
     if policy is None:
-        raise _no_policy(name)
+        raise policy_not_found(name)
     try:
         schedule = load_policy_config(policy.config).schedule
     except InvalidPolicyConfig as exc:
@@ -127,7 +127,3 @@ async def _set_paused(session: AsyncSession, jobs: Jobs, actor: str, name: str, 
     await session.commit()  # before the scheduler re-reads the schedules, in sessions of its own
     await jobs.sync()
     return ScheduleView(name, schedule.model_copy(update={"paused": paused}).model_dump(mode="json"))
-
-
-def _no_policy(name: str) -> NotFound:
-    return NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth import principal_of, requires
 from gateway.controllers.params import PageLimit, PathName, RowId, Version
-from gateway.errors import Conflict, InvalidRequest, NotFound, invalid_policy_config
+from gateway.errors import Conflict, InvalidRequest, NotFound, invalid_policy_config, policy_not_found
 from gateway.rollouts import begin_rollout
 from storage.policies import get_policy
 from storage.rollouts import (
@@ -129,7 +129,7 @@ class RolloutsController(Controller):
     ) -> list[RolloutView]:
         """The policy's rollouts, newest first, each with the monitor's latest evaluation in `stats`."""
         if await get_policy(session, name) is None:
-            raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+            raise policy_not_found(name)
         return [rollout_view(r) for r in await list_rollouts(session, name, limit)]
 
     @post("/{name:str}/rollouts", status_code=201)
@@ -190,7 +190,7 @@ class RolloutsController(Controller):
     @get("/{name:str}/pins")
     async def pins(self, name: FromPath[PathName], session: NamedDependency[AsyncSession]) -> list[PinView]:
         if await get_policy(session, name) is None:
-            raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+            raise policy_not_found(name)
         return [_pin_view(p) for p in await list_pins(session, name)]
 
     @post("/{name:str}/pins", status_code=200)

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from gateway.auth import principal_of, requires
 from gateway.body_depth import refuse_too_deep
 from gateway.controllers.params import PageLimit, PathName, RowId
-from gateway.errors import APIError, InvalidRequest, NotFound, invalid_policy_config
+from gateway.errors import APIError, InvalidRequest, NotFound, invalid_policy_config, policy_not_found
 from gateway.scheduling import Jobs
 from storage.audit import record_audit
 from storage.jobs import RunInfo, get_run, list_runs
@@ -84,7 +84,7 @@ class RunsController(Controller):
             refuse_too_deep({"overrides": body.overrides}, param="overrides")
             policy = await get_policy(session, name)
             if policy is None:
-                raise NotFound(f"no policy named {name!r}", param="name", code="policy_not_found")
+                raise policy_not_found(name)
             try:
                 load_policy_config(policy.config, train_overrides=body.overrides)
             except InvalidPolicyConfig as exc:
