@@ -55,10 +55,6 @@ class RewardStats:
         half = Z * std / math.sqrt(n)
         return cls(n, mean, std, mean - half, mean + half)
 
-    @classmethod
-    def of(cls, rewards: list[float]) -> RewardStats:
-        return cls.of_sums(len(rewards), sum(rewards), sum(r * r for r in rewards))
-
 
 @dataclass(frozen=True)
 class Difference:
