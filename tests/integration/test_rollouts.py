@@ -151,6 +151,17 @@ def test_a_split_serves_its_share_sticky_per_user_and_episode(
     for i in range(20):
         header = {"x-episode-id": f"ep-{i}"}
         assert len({served(chat(gateway, header)) for _ in range(3)}) == 1
+    # A conversation the gateway stitches (no user, no episode id) stays on one version turn after turn.
+    versions = set()
+    for i in range(30):
+        turns = [{"role": "user", "content": f"conversation {i}"}]
+        first = chat(gateway, messages=turns)
+        answer = first.json()["choices"][0]["message"]
+        follow = chat(gateway, messages=[*turns, {"role": "assistant", "content": answer["content"]}, *turns])
+        assert follow.headers["x-episode-id"] == first.headers["x-episode-id"]
+        assert served(follow) == served(first)
+        versions.add(served(first))
+    assert versions == {"bot@0", "bot@1"}  # random episode ids: all 30 on one side once in 40,000 runs
     # Each call is stored with the version that served it.
     rows = asyncio.run(
         fetch_rows(database_url, 'SELECT "user", adapter_version FROM calls WHERE "user" IS NOT NULL')
