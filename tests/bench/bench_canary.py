@@ -134,6 +134,8 @@ class App:
         self.calls = 0
         self.failures = 0
         self.rewards: list[float] = []
+        # Loads the reward's tokenizer once, here: threads importing transformers at once can see it half-imported.
+        brevity({"messages": [{"role": "assistant", "content": ""}]})
 
     def one(self, client: httpx.Client, scenario: str) -> None:
         index = next(self.counter)
