@@ -160,6 +160,19 @@ def test_sampler_asks_the_version_for_token_ids_unlogged_and_waits_for_it(fake_g
         True,
         True,
     )
+    assert not any(s.app_limit for s in samples)  # the app set no limit: a cut would be the trainer's
+
+
+def test_sampler_keeps_the_apps_own_reply_limit_within_its_cap(fake_gateway: FakeGateway) -> None:
+    sampler = EngineEndpoint(fake_gateway.url, max_n=4, wait_s=10).sampler(
+        "bot@3", Template(), max_tokens=16, temperature=1.0
+    )
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    question = [{"role": "user", "content": "q"}]
+    [own] = asyncio.run(sampler.sample(question, tools, 1, {"tool_choice": "auto", "max_tokens": 12}))
+    [capped] = asyncio.run(sampler.sample(question, tools, 1, {"max_tokens": 40}))
+    assert [body["max_tokens"] for _, body in fake_gateway.requests[-2:]] == [12, 16]
+    assert own.app_limit and not capped.app_limit
 
 
 def test_a_restarting_engine_and_lost_connections_are_waited_out() -> None:

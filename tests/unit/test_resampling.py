@@ -153,7 +153,8 @@ def test_an_agent_episode_is_resampled_whole_from_its_start() -> None:
             asks(call('{"key": "zorland"}')),
             asks(call('{"key": "mars"}')),
             asks(call('{"x": 1}', name="weather")),  # nobody can answer: dropped
-            says("Quix is the", "length"),  # cut: dropped
+            says("Quix is the", "length"),  # cut by the trainer's cap: dropped
+            SampledTurn({"role": "assistant", "content": "Quix and"}, "length", app_limit=True),  # as the app
         ],
         {"capital: Quix": says("Quix."), "error: no entry 'mars'": says("Mars?")},
     )
@@ -170,17 +171,19 @@ def test_an_agent_episode_is_resampled_whole_from_its_start() -> None:
 
     scorer = WholeConversations()
     report = DataReport()
-    cfg = TrainConfig(group_size=5, resample_max_group_size=5)
+    cfg = TrainConfig(group_size=6, resample_max_group_size=6)
     [group], stats = asyncio.run(
         resample_groups([captured_agent], cfg, sampler, scorer, report, tools=Tools())
     )
-    assert [m.origin for m in group.members] == ["captured", "resampled", "resampled"]
-    assert group.rewards == [1.0, 1.0, 0.0]
+    assert [m.origin for m in group.members] == ["captured", "resampled", "resampled", "resampled"]
+    # The reply cut at the app's own limit is scored as the app saw it (a failure here), not left out.
+    assert group.rewards == [1.0, 1.0, 0.0, 0.0]
+    assert group.members[3].reply["content"] == "Quix and"
     first = group.members[1]
     # A rollout is a whole episode: its final turn answers the tool's result, its tool call is an earlier turn.
     assert first.context == [USER, first.earlier[0].reply, result | {"tool_call_id": "call_1"}]
     assert first.earlier[0].context == [USER] and first.earlier[0].options == {"tool_choice": "auto"}
-    assert all(len(c) == 4 for c in scorer.seen)  # question, call, result, answer
+    assert [len(c) for c in scorer.seen] == [4, 4, 2]  # question, call, result, answer; the cut first turn
     assert report.as_dict()["rollouts_unanswerable"] == 1 and report.as_dict()["rollouts_truncated"] == 1
-    assert stats["rollouts"]["endings"] == {"answered": 2, "truncated": 1, "unanswerable": 1}
+    assert stats["rollouts"]["endings"] == {"answered": 2, "cut": 1, "truncated": 1, "unanswerable": 1}
     assert stats["rollouts"]["tool_calls"] == 2

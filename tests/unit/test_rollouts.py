@@ -15,9 +15,12 @@ from trainer.control.rollouts import (
     RolloutTask,
     SampledTurn,
     ToolOutcome,
+    carried_options,
     episode_start,
     hermes_message,
     recorded_results,
+    reply_limit,
+    request_options,
     roll_out,
 )
 
@@ -137,6 +140,28 @@ def test_a_rollout_ends_at_the_turn_limit_or_when_its_reply_is_cut() -> None:
     cut = Scripted([says("The capital of Zorland is", "length")], {})
     [rollout] = asyncio.run(roll_out(RolloutTask([USER], TOOLS), 1, cut, Tools(), max_turns=3))
     assert rollout.ending == "truncated"
+    # Cut where the app itself would have cut it: the reply the app got, an ending like any answer.
+    as_served = SampledTurn(
+        {"role": "assistant", "content": "The capital of Zorland is"}, "length", app_limit=True
+    )
+    [rollout] = asyncio.run(
+        roll_out(RolloutTask([USER], TOOLS), 1, Scripted([as_served], {}), Tools(), max_turns=3)
+    )
+    assert rollout.ending == "cut"
+
+
+def test_a_rollout_repeats_the_apps_reply_limit_up_to_the_trainers_cap() -> None:
+    """The app's `max_completion_tokens` (else `max_tokens`) is carried; a sampler uses it when it is within its
+    own cap, and says so, so a reply cut there counts as the app's own."""
+    request = {"tool_choice": "required", "max_tokens": 64, "max_completion_tokens": 48, "temperature": 0.3}
+    options = carried_options(request)
+    assert options == {"tool_choice": "required", "max_tokens": 48}
+    assert request_options(options) == {"tool_choice": "required"}
+    assert reply_limit(options, 96) == (48, True)
+    assert reply_limit(options, 48) == (48, True)
+    assert reply_limit(options, 32) == (32, False)  # the trainer's cap is lower: a cut is the trainer's
+    assert reply_limit({}, 32) == (32, False)
+    assert carried_options({"max_tokens": 0}) == {} and carried_options({"max_tokens": True}) == {}
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,8 @@ from trainer.control.rollouts import (
     carried_options,
     episode_start,
     recorded_results,
+    reply_limit,
+    request_options,
     roll_out,
 )
 from trainer.control.scoring import Scorer
@@ -231,11 +233,12 @@ class _VersionTurns:
         self, messages: list[dict[str, Any]], tools: list[Any] | None, n: int, options: Mapping[str, Any]
     ) -> list[SampledTurn]:
         config = self.sampler.config
+        limit, app_limit = reply_limit(options, config.max_tokens)
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
             "n": n,
-            "max_tokens": config.max_tokens,
+            "max_tokens": limit,
             "temperature": config.temperature,
         }
         if self.seed is not None:
@@ -243,11 +246,14 @@ class _VersionTurns:
             self.seed = None  # a later turn is its own draw
         if tools:
             body["tools"] = tools
-            body.update(options)
+            body.update(request_options(options))
         answer = await post_completion(
             self.client, self.sampler.url, body, self.sampler.headers, self.sampler.wait_for_version_s
         )
-        return [SampledTurn(_reply_message(c), c.get("finish_reason")) for c in answer["choices"]]
+        return [
+            SampledTurn(_reply_message(c), c.get("finish_reason"), app_limit=app_limit)
+            for c in answer["choices"]
+        ]
 
 
 def context_seed(seed: int | None, context: Context) -> int | None:

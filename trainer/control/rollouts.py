@@ -9,8 +9,10 @@ before.
 
 The loop is shared by the learner's resampling (through the engine, with token ids), the evaluation gate (both
 versions through the gateway) and MCP•RL bootstrapping; it needs no torch. A rollout that reaches a call nobody
-can answer is not a trajectory of the task and is dropped (counted); one whose last reply was cut by the token
-limit is kept with `truncated` set, for its user to leave out of groups.
+can answer is not a trajectory of the task and is dropped (counted). A reply cut by a token limit ends its
+rollout: where the limit was the app's own (`max_tokens` of the captured call, no more than the trainer's cap) the
+app would have been sent that cut reply, so the rollout ends `cut` and is scored like any other; where the
+trainer's cap cut it, the rollout ends `truncated`, for its user to leave out of groups.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ logger = logging.getLogger(__name__)
 
 #: Request options of a captured call that a rollout's call at the same turn carries over.
 CARRIED_OPTIONS = ("tool_choice", "parallel_tool_calls", "response_format")
+#: The carried option naming the app's own reply limit (from `max_completion_tokens`, else `max_tokens`).
+APP_LIMIT = "max_tokens"
 #: Message roles that belong to the agent's part of an episode.
 AGENT_ROLES = frozenset({"assistant", "tool", "function"})
 
-Ending = Literal["answered", "truncated", "turn_limit", "unanswerable"]
+Ending = Literal["answered", "cut", "truncated", "turn_limit", "unanswerable"]
+#: Endings that are trajectories of the task as the app would have run it: they are scored and grouped.
+USABLE_ENDINGS: frozenset[Ending] = frozenset({"answered", "cut", "turn_limit"})
 
 
 def episode_start(context: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -43,8 +49,26 @@ def episode_start(context: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def carried_options(request: Mapping[str, Any]) -> dict[str, Any]:
     """What of a captured call's request a rollout's call at the same turn repeats: a forced first tool call is
-    resampled forced, not as `auto`."""
-    return {name: request[name] for name in CARRIED_OPTIONS if request.get(name) is not None}
+    resampled forced, not as `auto`; and the app's reply limit, so a reply it would have cut is cut alike."""
+    options = {name: request[name] for name in CARRIED_OPTIONS if request.get(name) is not None}
+    limit = request.get("max_completion_tokens") or request.get("max_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        options[APP_LIMIT] = limit
+    return options
+
+
+def request_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The carried options a sampler sends as they are (the reply limit goes through `reply_limit`)."""
+    return {name: value for name, value in options.items() if name != APP_LIMIT}
+
+
+def reply_limit(options: Mapping[str, Any], cap: int) -> tuple[int, bool]:
+    """The token limit of a rollout's turn, and whether it is the app's own: the app's `max_tokens` when it is
+    no more than the trainer's `cap` (a reply cut there is the reply the app would have been sent), else `cap`."""
+    limit = options.get(APP_LIMIT)
+    if isinstance(limit, int) and 0 < limit <= cap:
+        return limit, True
+    return cap, False
 
 
 def canonical_arguments(arguments: Any) -> str:
@@ -119,6 +143,8 @@ class SampledTurn:
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    #: The token limit it ran under was the app's own: cut there, it is the reply the app would have been sent.
+    app_limit: bool = False
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]:
@@ -245,7 +271,8 @@ async def roll_out(
             if on_turn is not None:
                 on_turn()
             if turn.finish_reason == "length":
-                rollout.ending = "truncated"
+                # Cut at the app's own limit, the app got this reply and ended its episode on it.
+                rollout.ending = "cut" if turn.app_limit else "truncated"
                 return rollout
             calls = turn.tool_calls
             if not calls:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -23,7 +23,7 @@ from trainer.control.gateway_requests import (
     gateway_headers,
     post_completion,
 )
-from trainer.control.rollouts import SampledTurn
+from trainer.control.rollouts import SampledTurn, reply_limit, request_options
 from trainer.learner.tokens import prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class EngineSampler:
     ) -> list[SampledTurn]:
         """`n` turns answering `messages`, with the captured call's `options` (`tool_choice`, ...) repeated."""
         prompt = prompt_ids(self.tokenizer, messages, tools)
+        limit, app_limit = reply_limit(options or {}, self.max_tokens)
         samples: list[SampledTurn] = []
         timeout = httpx.Timeout(self.endpoint.request_timeout_s, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as client:
@@ -123,14 +124,14 @@ class EngineSampler:
                     "model": self.model,
                     "messages": messages,
                     "n": min(n - len(samples), self.endpoint.max_n),
-                    "max_tokens": self.max_tokens,
+                    "max_tokens": limit,
                     "temperature": self.temperature,
                     "logprobs": True,
                     "return_tokens_as_token_ids": True,
                 }
                 if tools:
                     body["tools"] = tools
-                    body.update(options or {})
+                    body.update(request_options(options or {}))
                 elif options and options.get("response_format") is not None:
                     body["response_format"] = options["response_format"]
                 response = await post_completion(
@@ -143,7 +144,7 @@ class EngineSampler:
                     "instead.",
                 )
                 self._check_template(response, prompt)
-                samples.extend(parse_choices(response, prompt))
+                samples.extend(replace(s, app_limit=app_limit) for s in parse_choices(response, prompt))
         return samples
 
     def _check_template(self, response: dict[str, Any], prompt: list[int]) -> None:

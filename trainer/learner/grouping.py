@@ -30,6 +30,7 @@ import polars as pl
 from storage.episodes import EpisodeTranscript
 from trainer.control.policy_config import TrainConfig
 from trainer.control.rollouts import (
+    USABLE_ENDINGS,
     Rollout,
     RolloutCounters,
     RolloutTask,
@@ -216,8 +217,9 @@ async def resample_groups(
     rounds spend the rest of the budget on exactly those. Tasks whose captured reward differs most from the
     window's mean (a rare success, a rare failure) come first when the budget cannot cover every task. Up to
     `resample_concurrency` tasks are rolled out and scored at once (the engine batches them, and a judge or
-    webhook answers in parallel). A rollout that reaches a tool call nobody can answer, or whose reply the token
-    limit cut, is left out of its group (counted). Returns the groups in first-seen order and what the rounds
+    webhook answers in parallel). A rollout that reaches a tool call nobody can answer, or whose reply the
+    trainer's token cap cut short of the app's own limit, is left out of its group (counted); one cut at the
+    app's own limit is scored as the app would have seen it. Returns the groups in first-seen order and what the rounds
     cost and found.
     """
     limit = asyncio.Semaphore(max(1, min(cfg.resample_concurrency, sampler.max_concurrency)))
@@ -240,7 +242,7 @@ async def resample_groups(
             rollouts = await roll_out(task, n, sampler, tools, max_turns=cfg.max_turns)
             for rollout in rollouts:
                 counters.add(rollout)
-            usable = [r for r in rollouts if r.ending in ("answered", "turn_limit")]
+            usable = [r for r in rollouts if r.ending in USABLE_ENDINGS]
             report.add("rollouts_truncated", sum(r.ending == "truncated" for r in rollouts))
             report.add("rollouts_unanswerable", sum(r.ending == "unanswerable" for r in rollouts))
             scores = await scorer.score([r.messages for r in usable], first.messages) if usable else []
