@@ -187,3 +187,62 @@ def _mocked(handler: Any) -> Any:
         return real(*args, transport=httpx.MockTransport(handler), **kwargs)
 
     return make
+
+
+def test_gate_attempts_contexts_at_once_up_to_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine batches what it is asked at once, so contexts are attempted `gate.concurrency` at a time; the
+    result is taken in the contexts' order, whichever finished first, and a failing context fails the gate."""
+    contexts = [Context(f"g{i}", [{"role": "user", "content": f"q{i}"}], None) for i in range(5)]
+
+    async def held_out(*args: Any) -> list[Context]:
+        return contexts
+
+    in_flight: set[str] = set()
+    most: list[int] = [0]
+
+    class Sampler:
+        async def sample(
+            self, client: httpx.AsyncClient, model: str, context: Context, seed: int | None = None
+        ) -> list[list[dict[str, Any]]]:
+            in_flight.add(context.group)
+            most[0] = max(most[0], len(in_flight))
+            # Later contexts finish first.
+            await asyncio.sleep(0.01 * (len(contexts) - int(context.group[1:])))
+            in_flight.discard(context.group)
+            return [[{"role": "assistant", "content": f"{model} {context.group}"}]]
+
+    class Scorer:
+        def __init__(self, fail: str | None = None) -> None:
+            self.fail = fail
+
+        async def score(self, trajectories: list[EpisodeTranscript]) -> GroupScore:
+            if any(t.group_key == self.fail for t in trajectories):
+                return GroupScore("function", "f", None, None, error="it broke")
+            # The candidate wins the first context only: any mix-up of contexts changes the means.
+            return GroupScore(
+                "function",
+                "f",
+                None,
+                [
+                    Score(t.episode_id, float(t.messages[-1]["content"] == "p@1 g0"), None)
+                    for t in trajectories
+                ],
+            )
+
+    monkeypatch.setattr(gate, "held_out_contexts", held_out)
+    run = RunInfo(5, "p", "train", "succeeded", 0, 1, {}, {}, None, NOW, NOW)
+
+    def evaluate(config: GateConfig, scorer: Scorer) -> gate.GateResult:
+        most[0] = 0
+        return asyncio.run(
+            gate.evaluate(None, "p", run, 1, 0, scorer=scorer, sampler=Sampler(), config=config)  # type: ignore[arg-type]
+        )
+
+    result = evaluate(GateConfig(concurrency=2), Scorer())
+    assert most[0] == 2
+    assert (result.candidate_reward, result.active_reward, result.passed) == (0.2, 0.0, True)
+    assert evaluate(GateConfig(), Scorer()).candidate_reward == 0.2 and most[0] == 5
+    failed = evaluate(GateConfig(), Scorer(fail="g3"))
+    assert not failed.passed and failed.reasons == ["scoring failed on group g3: it broke"]
+    with pytest.raises(ValidationError):
+        GateConfig(concurrency=0)

@@ -56,7 +56,7 @@ from trainer.control.rollouts import (
     request_options,
     roll_out,
 )
-from trainer.control.scoring import Scorer
+from trainer.control.scoring import GroupScore, Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,17 @@ class _VersionTurns:
         ]
 
 
+@dataclass
+class _Attempts:
+    """Both versions' attempts at one held-out context: the transcripts, whose each is, what each said, and
+    their scores."""
+
+    trajectories: list[EpisodeTranscript]
+    owners: list[int]
+    texts: list[str]
+    scored: GroupScore
+
+
 def context_seed(seed: int | None, context: Context) -> int | None:
     """The seed both versions sample `context` with: drawn from `gate.seed` and what the context asks, so it
     does not depend on which other contexts the gate evaluates or in what order; None when `gate.seed` is unset.
@@ -307,37 +318,56 @@ async def evaluate(
     rewards: dict[int, list[float]] = {candidate: [], active: []}
     texts: dict[int, list[str]] = {candidate: [], active: []}
     asked: dict[int, list[int]] = {candidate: [], active: []}  # the context each text answers
+    limit = asyncio.Semaphore(config.concurrency)
     timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        for index, context in enumerate(contexts):
+
+    async def attempt(client: httpx.AsyncClient, index: int, context: Context) -> _Attempts:
+        """Both versions' attempts at one context, scored together (RULER compares them in one group)."""
+        async with limit:
             seed = context_seed(config.seed, context)
             replies = await asyncio.gather(
                 sampler.sample(client, f"{policy}@{candidate}", context, seed),
                 sampler.sample(client, f"{policy}@{active}", context, seed),
             )
-            trajectories, owners = [], []
-            for version, attempts in zip((candidate, active), replies, strict=True):
-                for j, attempt in enumerate(attempts):
+            trajectories: list[EpisodeTranscript] = []
+            owners: list[int] = []
+            for version, versions_attempts in zip((candidate, active), replies, strict=True):
+                for j, messages in enumerate(versions_attempts):
                     trajectories.append(
                         EpisodeTranscript(
                             episode_id=f"gate-{run.id}-{index}-{version}-{j}",
-                            messages=[*context.messages, *attempt],
+                            messages=[*context.messages, *messages],
                             policy=policy,
                             group_key=context.group,
                         )
                     )
                     owners.append(version)
-                    texts[version].append(_attempt_text(attempt))
-                    asked[version].append(index)
-            scored = await scorer.score(trajectories)
-            if scored.scores is None:
-                result.reasons.append(f"scoring failed on group {context.group}: {scored.error}")
-                result.wall_s = time.perf_counter() - started
-                return result
-            by_id = {s.episode_id: s.value for s in scored.scores}
-            for trajectory, version in zip(trajectories, owners, strict=True):
-                if trajectory.episode_id in by_id:
-                    rewards[version].append(by_id[trajectory.episode_id])
+            texts = [_attempt_text(t.messages[len(context.messages) :]) for t in trajectories]
+            return _Attempts(trajectories, owners, texts, await scorer.score(trajectories))
+
+    # Contexts are attempted `gate.concurrency` at a time: the engine batches their requests, and the results
+    # are taken in the contexts' order, so the decision does not depend on which finished first.
+    # One failure (the engine gone) cancels the other contexts' attempts and is raised as itself.
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client, asyncio.TaskGroup() as group:
+            pending = [group.create_task(attempt(client, i, c)) for i, c in enumerate(contexts)]
+    except ExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+    for index, (context, task) in enumerate(zip(contexts, pending, strict=True)):
+        attempts = task.result()
+        scored = attempts.scored
+        if scored.scores is None:
+            result.reasons.append(f"scoring failed on group {context.group}: {scored.error}")
+            result.wall_s = time.perf_counter() - started
+            return result
+        by_id = {s.episode_id: s.value for s in scored.scores}
+        for trajectory, version, text in zip(
+            attempts.trajectories, attempts.owners, attempts.texts, strict=True
+        ):
+            texts[version].append(text)
+            asked[version].append(index)
+            if trajectory.episode_id in by_id:
+                rewards[version].append(by_id[trajectory.episode_id])
     if not rewards[candidate] or not rewards[active]:
         result.reasons.append("the scorer returned no scores")
         result.wall_s = time.perf_counter() - started

@@ -430,6 +430,9 @@ class GateConfig(_Section):
         default_factory=dict, description="Overrides of trainer.control.collapse.CollapseBounds fields."
     )
     request_timeout_s: float = Field(300.0, gt=0, description="Time allowed for one sampling request.")
+    concurrency: int = Field(
+        8, ge=1, description="Held-out contexts attempted at once (the engine batches their requests)."
+    )
 
     _bounds = field_validator("collapse_bounds")(_known_bounds)
 
