@@ -146,7 +146,8 @@ class _Connection(asyncio.Protocol):
             and self.status not in (204, 304)
         )
         self.head_done = True
-        self._wake()
+        if self.streaming:
+            self._wake()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -227,6 +228,12 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
 
+    async def read_to_end(self) -> None:
+        while not self.complete:
+            if self.error is not None:
+                self._raise()
+            await self._wait()
+
     async def read_head(self) -> None:
         while not self.head_done:
             if self.error is not None:
@@ -234,10 +241,7 @@ class _Connection(asyncio.Protocol):
             await self._wait()
 
     async def read_all(self) -> bytes:
-        while not self.complete:
-            if self.error is not None:
-                self._raise()
-            await self._wait()
+        await self.read_to_end()
         body = self.body
         return body[0] if len(body) == 1 else b"".join(body)
 
@@ -363,12 +367,8 @@ class HTTP1Client:
     async def fetch(self, path: str, body: bytes) -> Reply:
         """POST `body` to `path` (under the base URL) and return the whole answer."""
         conn = await self._exchange(self._request(path, body), streaming=False)
-        try:
-            data = await conn.read_all()
-        except BaseException:
-            self._discard(conn)
-            raise
-        reply = Reply(conn.status, conn.headers, data)
+        parts = conn.body
+        reply = Reply(conn.status, conn.headers, parts[0] if len(parts) == 1 else b"".join(parts))
         self._release(conn)
         return reply
 
@@ -377,8 +377,8 @@ class HTTP1Client:
         return Response(self, await self._exchange(self._request(path, body), streaming=True))
 
     async def _exchange(self, data: bytes, streaming: bool) -> _Connection:
-        """Send the request and wait for the answer's head. A reused connection the server had closed in the
-        meantime (it answers nothing) gets the request once more, on a new connection."""
+        """Send the request and wait for the answer's head (streamed) or all of it. A reused connection the server
+        had closed in the meantime (it answers nothing) gets the request once more, on a new connection."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         fresh = False
@@ -386,7 +386,7 @@ class HTTP1Client:
             conn = await self._acquire(deadline, fresh)
             try:
                 conn.start(data, deadline, streaming)
-                await conn.read_head()
+                await (conn.read_head() if streaming else conn.read_to_end())
             except ConnectionBroken:
                 self._discard(conn)
                 if conn.reused and not conn.got_bytes and not fresh:
