@@ -257,7 +257,7 @@ class _Connection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         body.clear()
         self.buffered = 0
-        if self.paused and self.transport is not None:
+        if self.paused and self.transport is not None and not self.lost:
             self.paused = False
             self.transport.resume_reading()
         return data
