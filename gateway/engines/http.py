@@ -1,7 +1,9 @@
-"""A pooled aiohttp client for OpenAI-compatible servers, shared by the `upstream` and `vllm` engines.
+"""The client for OpenAI-compatible servers, shared by the `upstream` and `vllm` engines.
 
-aiohttp rather than httpx on this path: under concurrency httpx's pool costs milliseconds per call, aiohttp's
-tens of microseconds (measured in tests/bench/bench_overhead.py).
+The hot path (chat, relayed calls, streams) goes through `gateway.engines.http1`, the project's own HTTP/1.1
+client on asyncio's protocol API: aiohttp's client was about a third of the serving process's CPU per call
+(docs/performance.md). The rare calls (model listing, adapter loading, health pings) still use an aiohttp
+session, created on first use.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import aiohttp
 import msgspec
 
 from gateway.engines.base import EngineStream
+from gateway.engines.http1 import HTTP1Client, ProtocolError, Response, ResponseBroken
 from gateway.errors import (
     APIError,
     EngineBadResponse,
@@ -86,31 +89,54 @@ def _float(value: str | None) -> float | None:
 
 
 class _SSEStream(EngineStream):
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    """The `data:` events of a streamed answer, decoded as their lines arrive, until `data: [DONE]`."""
+
+    def __init__(self, response: Response) -> None:
         self._response = response
+        self._done = False
 
     async def __aiter__(self) -> AsyncIterator[Any]:
+        response = self._response
+        pending = b""
         try:
-            async for line in self._response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            while True:
+                data = await response.read_some()
+                if not data:
+                    break
+                lines = (pending + data if pending else data).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        self._done = True
+                        return
+                    yield _chunk(payload)
+            if pending.startswith(b"data:"):
+                # The last line, with no newline after it, before the connection ended.
+                payload = pending[5:].strip()
+                if payload == b"[DONE]":
+                    self._done = True
                     return
-                try:
-                    yield _decode(data)
-                except msgspec.DecodeError as exc:
-                    raise EngineBadResponse("a stream chunk was not valid JSON") from exc
+                yield _chunk(payload)
             # EOF before `[DONE]`: the engine died or dropped the connection; the reply is incomplete.
             raise EngineDisconnected("the engine stream ended before it was complete")
         except TimeoutError as exc:
             raise EngineTimeout() from exc
-        except aiohttp.ClientError as exc:
+        except ResponseBroken as exc:
             log.warning("the engine connection broke mid-stream: %s", exc)
             raise EngineDisconnected("the engine connection broke mid-stream") from exc
 
     async def close(self) -> None:
-        self._response.close()
+        self._response.close(finished=self._done)
+
+
+def _chunk(payload: bytes) -> Any:
+    try:
+        return _decode(payload)
+    except msgspec.DecodeError as exc:
+        raise EngineBadResponse("a stream chunk was not valid JSON") from exc
 
 
 class OpenAIHTTPClient:
@@ -132,9 +158,18 @@ class OpenAIHTTPClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._http = HTTP1Client(
+            self.base_url,
+            headers={"Content-Type": "application/json"}
+            | ({"Authorization": f"Bearer {api_key}"} if api_key else {}),
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        """The aiohttp session of the rare calls."""
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=60)
             self._session = aiohttp.ClientSession(
@@ -146,47 +181,59 @@ class OpenAIHTTPClient:
         return self._session
 
     async def close(self) -> None:
+        await self._http.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    async def _post(self, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, body: dict[str, Any]) -> Response:
+        """Open a streamed answer; an error status raises the mapped error."""
         try:
-            response = await self.session.post(self.base_url + path, data=_encode(body))
+            response = await self._http.open(path, _encode(body))
         except TimeoutError as exc:
             raise EngineTimeout() from exc
-        except aiohttp.ClientConnectionError as exc:
-            # The address stays in the log: clients have no use for the engine's host and port.
-            log.warning("cannot reach the engine at %s: %s", self.base_url, exc)
-            raise EngineUnavailable("the engine is not reachable") from exc
-        except aiohttp.ClientError as exc:
-            log.warning("engine request to %s failed: %s", self.base_url, exc)
-            raise EngineError("the engine request failed", code="engine_error") from exc
+        except (OSError, ProtocolError) as exc:
+            raise self._before_head(exc) from exc
         if response.status >= 400:
             try:
-                body_bytes = await response.read()
-            finally:
-                response.release()
-            raise map_status(response.status, body_bytes, response.headers.get("retry-after"))
+                data = await response.read()
+            except (TimeoutError, ResponseBroken) as exc:
+                raise self._after_head(exc) from exc
+            raise map_status(response.status, data, response.headers.get("retry-after"))
         return response
+
+    def _before_head(self, exc: OSError | ProtocolError) -> EngineError:
+        """The gateway's error for a failure before the engine's answer began."""
+        if isinstance(exc, OSError):
+            # The address stays in the log: clients have no use for the engine's host and port.
+            log.warning("cannot reach the engine at %s: %s", self.base_url, exc)
+            return EngineUnavailable("the engine is not reachable")
+        log.warning("engine request to %s failed: %s", self.base_url, exc)
+        return EngineError("the engine request failed", code="engine_error")
+
+    @staticmethod
+    def _after_head(exc: TimeoutError | ResponseBroken) -> EngineError:
+        """The gateway's error for a failure once the engine's answer began."""
+        if isinstance(exc, TimeoutError):
+            return EngineTimeout()
+        log.warning("the engine connection broke: %s", exc)
+        return EngineDisconnected("the engine connection broke")
 
     async def chat(self, body: dict[str, Any]) -> Any:
         return await self.request("/chat/completions", body)
 
     async def request(self, path: str, body: dict[str, Any]) -> Any:
         """POST `body` to `path` (under the base URL) and return the decoded JSON answer."""
-        response = await self._post(path, body)
         try:
-            data = await response.read()
-        except TimeoutError as exc:
-            raise EngineTimeout() from exc
-        except aiohttp.ClientError as exc:
-            log.warning("the engine connection broke: %s", exc)
-            raise EngineDisconnected("the engine connection broke") from exc
-        finally:
-            response.release()
+            reply = await self._http.fetch(path, _encode(body))
+        except (TimeoutError, ResponseBroken) as exc:
+            raise self._after_head(exc) from exc
+        except (OSError, ProtocolError) as exc:
+            raise self._before_head(exc) from exc
+        if reply.status >= 400:
+            raise map_status(reply.status, reply.body, reply.headers.get("retry-after"))
         try:
-            return _decode(data)
+            return _decode(reply.body)
         except msgspec.DecodeError as exc:
             raise EngineBadResponse("the body was not valid JSON") from exc
 
