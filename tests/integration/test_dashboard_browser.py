@@ -107,6 +107,16 @@ def _served_by(gw: GatewayServer, model: str) -> str:
     return raw.headers["x-kaizen-model"]
 
 
+def _follow(page: Page, selector: str) -> None:
+    """Click a link or submit button and wait until the page it leads to has loaded.
+
+    Reading the page straight after a click can still see the old one, or a document half replaced.
+    """
+    before = page.url
+    page.click(selector)
+    page.wait_for_url(lambda url: url != before)
+
+
 def _gateway(
     make_gateway: MakeGateway, upstream: ScriptedUpstream, url: str, tmp_path: Path
 ) -> GatewayServer:
@@ -220,14 +230,14 @@ def _walk_through(
     request = json.loads(oldest["request"]) if isinstance(oldest["request"], str) else oldest["request"]
     page.goto(gw.url + "/dashboard/episodes")
     page.fill('#episode-filters input[name="q"]', request["messages"][-1]["content"])
-    page.click('#episode-filters button[type="submit"]')
+    _follow(page, '#episode-filters button[type="submit"]')
     target = page.locator(f'#episode-list tr[data-episode="{episodes[-1]}"]')
     for _ in range(len(episodes)):
         if target.count():
             break
         expect(page.locator("#search-window")).to_contain_text("2 episodes per request")
         steps.shot("search-window")
-        page.click("#next-page")
+        _follow(page, "#next-page")
     expect(target).to_have_count(1)
     steps.shot("search-found")
 
