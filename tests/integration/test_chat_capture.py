@@ -14,6 +14,7 @@ from tests.conftest import query
 from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import validate
 from tests.support.scripted_upstream import REFUSAL, THOUGHT, ScriptedUpstream, text_token_ids
+from trainer.control.rollouts import carried_options
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -196,6 +197,31 @@ def test_parallel_tool_calls_non_stream(make_gateway: MakeGateway, database_url:
     stored = row["response"]["choices"][0]["message"]["tool_calls"]
     assert [t["function"]["name"] for t in stored] == ["get_weather", "get_weather"]
     assert row["request"]["tools"] == TOOLS and row["request"]["tool_choice"] == "auto"
+
+
+def test_a_captured_call_gives_a_rollout_the_options_its_turn_repeats(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """The trainer reads a call as the gateway stored it: its forced tool choice, its parallel-calls and
+    response-format settings and the app's reply limit all reach the rollout that re-runs that turn."""
+    gw = make_gateway(database_url)
+    client(gw).chat.completions.create(
+        model="scripted-1",
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+        max_completion_tokens=48,
+        temperature=0.7,
+        messages=[{"role": "user", "content": "#tools2"}],
+    )
+    [row] = calls(gw, database_url)
+    assert carried_options(row["request"]) == {
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "text"},
+        "max_tokens": 48,
+    }
 
 
 def test_parallel_tool_calls_streamed(make_gateway: MakeGateway, database_url: str) -> None:

@@ -49,9 +49,14 @@ def episode_start(context: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def carried_options(request: Mapping[str, Any]) -> dict[str, Any]:
     """What of a captured call's request a rollout's call at the same turn repeats: a forced first tool call is
-    resampled forced, not as `auto`; and the app's reply limit, so a reply it would have cut is cut alike."""
-    options = {name: request[name] for name in CARRIED_OPTIONS if request.get(name) is not None}
-    limit = request.get("max_completion_tokens") or request.get("max_tokens")
+    resampled forced, not as `auto`; and the app's reply limit, so a reply it would have cut is cut alike.
+
+    `request` is the call as the gateway stores it: messages, tools and `tool_choice` at the top, every other
+    body field under `params` (a flat body is read alike)."""
+    params = request.get("params")
+    fields = {**(params if isinstance(params, Mapping) else {}), **request}
+    options = {name: fields[name] for name in CARRIED_OPTIONS if fields.get(name) is not None}
+    limit = fields.get("max_completion_tokens") or fields.get("max_tokens")
     if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
         options[APP_LIMIT] = limit
     return options
