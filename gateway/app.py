@@ -15,7 +15,7 @@ from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.handlers import asgi
 from litestar.template.config import TemplateConfig
-from litestar.types import Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Scope, Send
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -30,7 +30,7 @@ from gateway.controllers.admin import (
     EngineAdminController,
     KeysController,
 )
-from gateway.controllers.chat import ChatController
+from gateway.controllers.chat import ChatController, ChatRoute, chat_route_first
 from gateway.controllers.completions import CompletionsController, EmbeddingsController
 from gateway.controllers.episodes import EpisodesController
 from gateway.controllers.feedback import FeedbackController
@@ -43,7 +43,7 @@ from gateway.controllers.responses import ResponsesController
 from gateway.controllers.rollouts import RolloutsController
 from gateway.controllers.runs import RunsController
 from gateway.engines.base import Engine
-from gateway.errors import APIError, Conflict
+from gateway.errors import APIError, Conflict, InternalError, undecodable_body
 from gateway.exposure import cors_config, json_bodies_only, loopback_hosts_only
 from gateway.feedback import FeedbackService
 from gateway.mcp import PATH as MCP_PATH
@@ -346,9 +346,7 @@ def _undecodable_body(
     """The JSON decoders (ours, Litestar's, the feedback parser's) raise these two for bodies that are nested
     deeper than the interpreter's stack or hold invalid UTF-8: the client's fault, so a 400, on every route."""
     log.info("undecodable body on %s %s: %s", request.method, request.url.path, type(exc).__name__)
-    if isinstance(exc, RecursionError):
-        return _error(400, "The JSON body is nested too deeply.", "invalid_request_error", "invalid_json")
-    return _error(400, "The request body is not valid UTF-8.", "invalid_request_error", "invalid_json")
+    return undecodable_body(exc).to_response()
 
 
 def _database_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
@@ -400,7 +398,7 @@ def _is_connection_error(exc: DBAPIError) -> bool:
 
 def _internal_error(request: Request[Any, Any, Any], exc: Exception) -> Response[ErrorResponse]:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error(500, "Internal error in the gateway.", "api_error", "internal_error")
+    return InternalError().to_response()
 
 
 def create_app(services: Services) -> Litestar:
@@ -460,7 +458,7 @@ def create_app(services: Services) -> Litestar:
             ModelsController,
             EpisodesController,
         ],
-        middleware=[rate_limit_middleware(limiter)] if limiter.enabled else [],
+        middleware=[rate_limit_middleware(limiter, services.keys)] if limiter.enabled else [],
     )
     # The policy actions are declared once and registered here and under the dashboard's router.
     admin = Router(path="/admin", route_handlers=[PolicyActions], guards=[requires("admin")])
@@ -478,7 +476,7 @@ def create_app(services: Services) -> Litestar:
         dashboard = dashboard_routers()
         templates = template_config()
         state.update(dashboard_state(settings))
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             v1,
             FeedbackController,
@@ -534,3 +532,13 @@ def create_app(services: Services) -> Litestar:
         openapi_config=None,
         debug=False,
     )
+    # The chat route runs outside Litestar's router, wrapped in the same middleware, outermost first.
+    chat: ASGIApp = ChatRoute(services.chat, services.keys, settings.max_body_bytes)
+    if limiter.enabled:
+        chat = rate_limit_middleware(limiter, services.keys, spends_tokens=lambda _: True)(chat)
+    chat = json_bodies_only(chat)
+    chat = loopback_hosts_only(settings, services.keys)(chat)
+    if services.metrics is not None:
+        chat = count_responses(services.metrics.calls)(chat)
+    app.asgi_handler = chat_route_first(chat, app.asgi_handler, cors=bool(settings.cors_origins))
+    return app

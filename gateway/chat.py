@@ -12,7 +12,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -129,7 +129,7 @@ async def event_chunks(
         finish(status, error, ttft)
 
 
-async def sse(chunks: AsyncGenerator[Any, None]) -> AsyncIterator[bytes]:
+async def sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
     """Server-sent events of `event_chunks`: the call is recorded before the final event (`[DONE]`, or the
     error in OpenAI's shape) goes out, so a client that saw the end of its stream has a logged call."""
     try:
@@ -148,7 +148,7 @@ def relay_events(
     assembler: EventSource,
     started: float,
     finish: Callable[[str, APIError | None, float | None], None],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE relay of an engine stream (`event_chunks` sent as `sse`)."""
     return sse(event_chunks(engine_stream, assembler, started, finish))
 
@@ -468,7 +468,7 @@ class ChatService:
         self._record(ctx, captured, status="ok", error=None, ttft=None)
         return completion
 
-    async def stream(self, ctx: CallContext) -> AsyncIterator[bytes]:
+    async def stream(self, ctx: CallContext) -> AsyncGenerator[bytes, None]:
         """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
         return sse(await self.stream_chunks(ctx))
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 from litestar import Response
+from litestar.types import Send
 
 from gateway.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
     from trainer.control.policy_config import InvalidPolicyConfig
+
+_encode = msgspec.json.Encoder().encode
 
 
 class APIError(Exception):
@@ -39,15 +43,47 @@ class APIError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, self.error_type, self.param, self.code))
 
-    def to_response(self) -> Response[ErrorResponse]:
+    def response_headers(self) -> dict[str, str]:
+        """The answer's own headers: what was added to `headers`, and `retry-after` when it has one."""
         headers = dict(self.headers)
         if self.retry_after is not None:
             headers["retry-after"] = str(max(1, round(self.retry_after)))
-        return Response(self.body(), status_code=self.status_code, headers=headers)
+        return headers
+
+    def to_response(self) -> Response[ErrorResponse]:
+        return Response(self.body(), status_code=self.status_code, headers=self.response_headers())
+
+    async def send(self, send: Send) -> None:
+        """Answer with this error over bare ASGI, as `to_response` does through Litestar (the chat route's)."""
+        body = _encode(self.body())
+        headers = [
+            (name.encode("latin-1"), value.encode("latin-1"))
+            for name, value in self.response_headers().items()
+        ]
+        headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class InvalidRequest(APIError):
     status_code = 400
+
+
+class InternalError(APIError):
+    """A defect in the gateway: logged with its traceback where it is caught; the client gets no detail."""
+
+    status_code = 500
+    error_type = "api_error"
+
+    def __init__(self) -> None:
+        super().__init__("Internal error in the gateway.", code="internal_error")
+
+
+def undecodable_body(exc: RecursionError | UnicodeDecodeError) -> InvalidRequest:
+    """The 400 of a body the JSON decoders give up on: nested deeper than the interpreter's stack, or not UTF-8."""
+    if isinstance(exc, RecursionError):
+        return InvalidRequest("The JSON body is nested too deeply.", code="invalid_json")
+    return InvalidRequest("The request body is not valid UTF-8.", code="invalid_json")
 
 
 def policy_not_found(name: str) -> NotFound:

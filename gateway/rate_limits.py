@@ -255,9 +255,17 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
-    """ASGI middleware for the /v1 router: refuses over-limit calls with a 429 before the handler runs (so a
-    refused call writes nothing), and adds the `x-ratelimit-*` headers to every answer it lets through."""
+def spends_tokens_by_route(scope: Scope) -> bool:
+    """Whether the Litestar route handler a request matched is marked as spending engine tokens."""
+    return bool(scope["route_handler"].opt.get(SPENDS_TOKENS))
+
+
+def rate_limit_middleware(
+    limiter: RateLimiter, keys: KeyRing, spends_tokens: Callable[[Scope], bool] = spends_tokens_by_route
+) -> Callable[[ASGIApp], ASGIApp]:
+    """ASGI middleware for the /v1 routes: refuses over-limit calls with a 429 before the handler runs (so a
+    refused call writes nothing), and adds the `x-ratelimit-*` headers to every answer it lets through.
+    `spends_tokens`: whether the request's route is refused for tokens (the chat route's is, without Litestar)."""
 
     def wrap(app: ASGIApp) -> ASGIApp:
         async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
@@ -265,10 +273,9 @@ def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
                 await app(scope, receive, send)
                 return
             client = scope.get("client")
-            keys: KeyRing = scope["app"].state.key_ring
             identity = caller_identity(_header(scope, b"authorization"), client[0] if client else None, keys)
-            spends_tokens = bool(scope["route_handler"].opt.get(SPENDS_TOKENS))
-            verdict = limiter.admit(identity, spends_tokens=spends_tokens)
+            spends = spends_tokens(scope)
+            verdict = limiter.admit(identity, spends_tokens=spends)
             caller = verdict.caller
             if verdict.refused is not None:
                 body, headers = refusal(identity, verdict, limiter)
@@ -285,7 +292,7 @@ def rate_limit_middleware(limiter: RateLimiter) -> Callable[[ASGIApp], ASGIApp]:
                 )
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 return
-            if spends_tokens and caller.tokens is not None:
+            if spends and caller.tokens is not None:
                 scope["state"][METER_STATE_KEY] = lambda used: limiter.charge(caller, used)
             extra = caller.headers()
 

@@ -21,6 +21,7 @@ from typing import Any
 from litestar import Litestar, Request, Router, post
 from litestar.types import ASGIApp, HTTPRequestEvent, Message
 
+from gateway.auth import KeyRing
 from gateway.rate_limits import SPENDS_TOKENS, Limits, RateLimiter, rate_limit_middleware, token_meter
 
 log = logging.getLogger("bench_rate_limits")
@@ -36,7 +37,7 @@ async def _chat(request: Request[Any, Any, Any]) -> dict[str, bool]:
 
 def _app(limited: bool) -> Litestar:
     limiter = RateLimiter(Limits(10**12, 10**12), window_s=60.0)
-    middleware = [rate_limit_middleware(limiter)] if limited else []
+    middleware = [rate_limit_middleware(limiter, KeyRing([]))] if limited else []
     return Litestar([Router("/v1", route_handlers=[_chat], middleware=middleware)], openapi_config=None)
 
 
