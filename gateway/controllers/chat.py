@@ -1,11 +1,11 @@
 """`POST /v1/chat/completions`: the hot path, served by a bare ASGI app ahead of Litestar.
 
 `ChatRoute` reads the key, the headers and the body from the ASGI messages itself and answers errors in the same
-shape as the app's exception handlers: Litestar's request, dependency and response machinery cost a third of the
-gateway's CPU per call (docs/performance.md, "Where the time goes"). The app's own middleware (metrics, host
-and media-type checks, rate limits) wraps it as it wraps Litestar's routes. Only a browser's call to a gateway
-with CORS origins (an `Origin` header) goes through Litestar, whose CORS handling answers it, to `ChatController`;
-both run the call with `answer`.
+shape as the app's exception handlers: Litestar's request, dependency and response machinery took about a quarter
+of the serving thread's time per call (docs/performance.md, "Where the time goes"). The app's own middleware
+(metrics, host and media-type checks, rate limits) wraps it as it wraps Litestar's routes. Only a browser's call
+to a gateway with CORS origins (an `Origin` header) goes through Litestar, whose CORS handling answers it, to
+`ChatController`; both run the call with `answer`.
 """
 
 from __future__ import annotations
@@ -104,9 +104,8 @@ def chat_route_first(route: ASGIApp, app: ASGIApp, *, cors: bool) -> ASGIApp:
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
     """The request body, refused with a 413 once it is past `limit` bytes (or declared so), as Litestar does."""
-    too_large = PayloadTooLarge("Request body too large.", code="body_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large()
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -118,10 +117,14 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large()
         if not message.get("more_body", False):
             return chunk if not chunks else b"".join([*chunks, chunk])
         chunks.append(chunk)
+
+
+def _too_large() -> PayloadTooLarge:
+    return PayloadTooLarge("Request body too large.", code="body_too_large")
 
 
 async def answer(chat: ChatService, ctx: CallContext, receive: Receive) -> ASGIApp:
