@@ -4,15 +4,19 @@ and the new version is promoted and waited for.
 
 Two stand-ins, as the page says: the embedded 135M model cannot choose tools reliably, so the agent's turns are
 answered by the scripted upstream (`#agent 2`: two tool calls, then an answer from the tool results), and
-RULER's answers come from the scripted judge, so each group's scores are known exactly.
+RULER's answers come from the scripted judge, so each group's scores are known exactly. And a third: the example's
+weather tool draws one of two texts at random, so with a scripted agent all four attempts at a question would be
+the same conversation about once in 64 groups, and training rightly drops a group whose members share every
+token; the test gives every reading a number of its own, so the attempts always differ.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,17 @@ def documented_example() -> dict[str, Any]:
     return namespace
 
 
+class NumberedReadings:
+    """Stands in for the example's `random`: the tool's text, alternating, with a reading number of its own."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1)
+
+    def choice(self, options: Sequence[str]) -> str:
+        n = next(self._count)
+        return f"{options[n % len(options)]} (reading {n})"
+
+
 def ruler_answer(scores: list[float]) -> str:
     entries = [
         {"trajectory_id": f"t{i}", "explanation": f"attempt {i}", "score": score}
@@ -96,6 +111,7 @@ def test_the_documented_langgraph_agent_is_captured_judged_trained_and_promoted(
         asyncio.run(setup())
         judge.script.extend(ruler_answer(SCORES) for _ in QUESTIONS)
         example = documented_example()
+        example["random"] = NumberedReadings()  # the tool looks `random` up in the example's globals
         model = example["Model"](POLICY, gw.url, api_key=API_KEY, admin_key=ADMIN_KEY, poll_s=0.2)
         run = asyncio.run(example["main"](model, [f"{q} #agent 2" for q in QUESTIONS]))
         judged_prompts = judge.prompts()
@@ -112,6 +128,7 @@ def test_the_documented_langgraph_agent_is_captured_judged_trained_and_promoted(
     request = json.loads(last["request"]) if isinstance(last["request"], str) else last["request"]
     assert [m["role"] for m in request["messages"]] == ["user", "assistant", "tool", "assistant", "tool"]
     assert request["tools"][0]["function"]["name"] == "get_weather"
+    assert all("(reading " in m["content"] for m in request["messages"] if m["role"] == "tool")
 
     # Judged with RULER, group by group (4 attempts each), the tool calls and their results in view. The training
     # run's collapse checks ask the judge too, about their 2 fresh replies beside the captured one (3 in all).
