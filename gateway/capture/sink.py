@@ -50,7 +50,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import msgspec
 
@@ -219,6 +219,13 @@ class WriteAheadLog:
         self._file = None
 
 
+class HandOff(NamedTuple):
+    """Where a call stands among those handed to the capture writers: the `writer`-th started, its `nth` call."""
+
+    writer: int
+    nth: int
+
+
 class RecentTargets:
     """Ids of recently submitted calls and their episodes (bounded), so feedback that arrives before the
     writer stores its target (still in the log, or waiting for the database) is recognised and accepted. Client
@@ -227,12 +234,17 @@ class RecentTargets:
     def __init__(self, size: int) -> None:
         self.size = size
         self._calls: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
-        self._episodes: OrderedDict[str, str | None] = OrderedDict()
+        # episode id -> (policy, the hand-off mark of its newest call handed to a writer, if any)
+        self._episodes: OrderedDict[str, tuple[str | None, HandOff | None]] = OrderedDict()
         self._clients: OrderedDict[str, str] = OrderedDict()
 
-    def remember(self, record: CallRecord) -> None:
+    def remember(self, record: CallRecord, handed: HandOff | None) -> None:
+        """`handed`: where the call stands among those handed to the writer; None if it was not handed."""
+        earlier = self._episodes.get(record.episode_id)
+        if handed is None and earlier is not None:
+            handed = earlier[1]  # an earlier call of the episode may still be on its way
         self._calls[record.id] = (record.episode_id, record.policy)
-        self._episodes[record.episode_id] = record.policy
+        self._episodes[record.episode_id] = (record.policy, handed)
         self._episodes.move_to_end(record.episode_id)
         if record.client_request_id is not None:
             self._clients[record.client_request_id] = record.id
@@ -251,7 +263,13 @@ class RecentTargets:
 
     def episode(self, episode_id: str) -> tuple[bool, str | None]:
         """(known, policy) of a recent episode."""
-        return (episode_id in self._episodes, self._episodes.get(episode_id))
+        found = self._episodes.get(episode_id)
+        return (found is not None, found[0] if found is not None else None)
+
+    def newest_handed(self, episode_id: str) -> HandOff | None:
+        """The hand-off mark of the newest call of a recent episode handed to a writer."""
+        found = self._episodes.get(episode_id)
+        return found[1] if found is not None else None
 
 
 class CaptureSink:
@@ -289,6 +307,7 @@ class CaptureSink:
         self.writer = WriterStatus()  # the running writer's last report
         self._earlier = WriterStatus()  # the counters of writers that exited unexpectedly, summed
         self._handed = 0  # calls appended or piped since the running writer started
+        self._writer_starts = 0  # writers started so far: which one a call was handed to (`HandOff`)
         self._process: asyncio.subprocess.Process | None = None
         self._listener: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -322,34 +341,36 @@ class CaptureSink:
             except OSError as exc:
                 self._log_failed(exc)
             else:
-                self.recent.remember(record)
                 self.stats.queued += 1
                 self._handed += 1
+                self.recent.remember(record, HandOff(self._writer_starts, self._handed))
                 return True
         if self.require_durable and record.status == "ok":
             self.stats.refused += 1
             self._outage.refused += 1
             return False
-        self.recent.remember(record)
         self.stats.queued += 1
         self.stats.log_failures += 1
         self._outage.log_failures += 1
-        self._hold_in_memory(record)
+        handed = self._hold_in_memory(record)
+        self.recent.remember(record, HandOff(self._writer_starts, self._handed) if handed else None)
         return True
 
-    def _hold_in_memory(self, record: CallRecord) -> None:
+    def _hold_in_memory(self, record: CallRecord) -> bool:
+        """Send a call to the writer in memory; False if it is dropped instead."""
         process = self._process
         if process is None or process.returncode is not None or process.stdin is None or self._closing:
             self._drop(record, "not in the capture log and no capture writer running")
-            return
+            return False
         line = self._encoder.encode(record) + b"\n"
         if self.memory_bytes + len(line) > self.memory_limit_bytes:
             self._drop(record, f"the {self.memory_limit_bytes} bytes of calls held in memory are taken")
-            return
+            return False
         process.stdin.write(line)  # buffered by the transport; never blocks
         self._memory_calls += 1
         self._memory_bytes += len(line)
         self._handed += 1
+        return True
 
     def _drop(self, record: CallRecord, reason: str) -> None:
         self.stats.dropped += 1
@@ -549,6 +570,7 @@ class CaptureSink:
             log_level=logging.getLogger("gateway.capture.writer").getEffectiveLevel(),
         )
         self._handed = 0  # counted from here: what was handed to an earlier writer is a leftover for this one
+        self._writer_starts += 1
         self._memory_calls = self._memory_bytes = 0
         self.writer = WriterStatus()
         self._writer_up = asyncio.Event()
@@ -633,6 +655,21 @@ class CaptureSink:
     def settling(self) -> bool:
         """Something submitted is not yet stored: in the log on its way, or waiting for the database."""
         return not self.writer.ready or self.writer.settled < self._handed
+
+    def episode_settling(self, episode_id: str) -> bool:
+        """A call of this recent episode that this process answered is not yet stored (or dropped).
+
+        The writer stores calls in the order they were handed to it, so the newest call's place among them says
+        whether it is through; a call handed to an earlier writer (before a restart) is through once the running
+        one has stored the leftovers. Two exceptions may make the answer early: a follow-up held back for another
+        replica's turn (`stitch_grace_ms`), which later calls pass, and calls sent in memory while the log could
+        not be written, which the writer takes between lines of the log."""
+        handed = self.recent.newest_handed(episode_id)
+        if handed is None:
+            return False
+        if not self.writer.ready:
+            return True
+        return handed.writer == self._writer_starts and self.writer.settled < handed.nth
 
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Wait until everything submitted so far is stored or held for a database that is down (tests)."""

@@ -111,6 +111,13 @@ class EpisodesController(Controller):
     ) -> EpisodeOut:
         trajectory = await get_transcript(session, episode_id)
         if trajectory is not None and principal.sees(trajectory.project):
+            # Half an episode is not served: a judge or a training run reading it would see a shorter agent run.
+            if sink.episode_settling(episode_id):
+                raise EpisodeNotWritten(
+                    f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
+                    code="episode_not_written",
+                    retry_after=1.0,
+                )
             rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
             return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
         # Known to this process and not yet written; once everything is written, a missing episode was

@@ -120,6 +120,39 @@ def test_explicit_episode_ids(make_gateway: MakeGateway, database_url: str) -> N
     assert episode["group_key"] == "task-7"
 
 
+def test_an_episode_with_turns_still_queued_is_not_served_half_written(
+    make_gateway: MakeGateway, database_url: str
+) -> None:
+    """A judge or a training run reads an episode once it is served whole: while a later turn waits in the capture
+    queue, reading the episode answers 409 (retry), not the turns stored so far."""
+    gw = make_gateway(database_url, capture_flush_ms=3000.0)  # each turn waits about 3 s in the queue
+    tagged = openai.OpenAI(
+        base_url=gw.url + "/v1", api_key="x", max_retries=0, default_headers={"x-episode-id": "agent-run"}
+    )
+
+    def read() -> httpx.Response:
+        return httpx.get(f"{gw.url}/v1/episodes/agent-run", timeout=10)
+
+    def wait_for_turns(count: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while (answer := read()).status_code == 409 and time.monotonic() < deadline:
+            assert answer.json()["error"]["code"] == "episode_not_written"
+            time.sleep(0.1)
+        assert answer.status_code == 200, answer.text
+        episode: dict[str, Any] = answer.json()
+        assert len(episode["turns"]) == count
+        return episode
+
+    tagged.chat.completions.create(model="scripted-1", messages=[{"role": "user", "content": "plan"}])
+    wait_for_turns(1)
+    tagged.chat.completions.create(model="scripted-1", messages=[{"role": "user", "content": "act"}])
+    half = read()
+    assert half.status_code == 409, half.text
+    assert half.json()["error"]["code"] == "episode_not_written"
+    assert half.headers["retry-after"]
+    wait_for_turns(2)
+
+
 def test_client_disconnect_mid_stream_is_recorded(make_gateway: MakeGateway, database_url: str) -> None:
     gw = make_gateway(database_url)
     payload = {
