@@ -48,7 +48,8 @@ from gateway.exposure import cors_config, json_bodies_only, loopback_hosts_only
 from gateway.feedback import FeedbackService
 from gateway.mcp import PATH as MCP_PATH
 from gateway.mcp import McpEndpoint, PolicyTools, requires_policy_tools
-from gateway.metrics import GatewayMetrics, MetricsPeers, count_responses
+from gateway.metrics import GatewayMetrics, count_responses
+from gateway.peers import PeerLink, WorkerPeers
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.rate_limits import limiter_from_settings, rate_limit_middleware
 from gateway.redaction import load_redaction_key
@@ -83,6 +84,7 @@ class Services:
     metrics: GatewayMetrics | None = None
     tracer: CallTracer | None = None
     shadow: ShadowTap | None = None
+    peers: PeerLink | None = None  # as one of several serving workers
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -188,9 +190,9 @@ def engine_urls(engine: Engine) -> list[str]:
 
 
 def build_services(
-    settings: Settings, engine: Engine | None = None, peers: MetricsPeers | None = None
+    settings: Settings, engine: Engine | None = None, workers: WorkerPeers | None = None
 ) -> Services:
-    """Everything one gateway process serves with; `peers` when it is one of several serving workers."""
+    """Everything one gateway process serves with; `workers` when it is one of several serving workers."""
     database = Database(settings.database_url)
     engine = engine or build_engine(settings)
     router = ModelRouter(
@@ -214,6 +216,9 @@ def build_services(
         memory_limit_bytes=settings.capture_memory_bytes,
         require_durable=settings.capture_require_durable,
     )
+    peers = PeerLink(workers) if workers is not None else None
+    if peers is not None:
+        sink.answer_peers(peers)
     # Only an engine that serves adapters has versions to shadow.
     shadow = (
         ShadowTap(
@@ -293,6 +298,7 @@ def build_services(
         metrics,
         tracer,
         shadow,
+        peers,
     )
 
 
@@ -421,8 +427,8 @@ def create_app(services: Services) -> Litestar:
         await services.chat.warm(services.database)
         await services.feedback.start()
         await services.jobs.start()
-        if services.metrics is not None:
-            await services.metrics.start()
+        if services.peers is not None:
+            await services.peers.start()
         # Everything alive now lives as long as the process: moving it out of the collector's reach keeps
         # full collections short (measured: 45-120 ms stalls of every in-flight call without this).
         gc.collect()
@@ -430,8 +436,8 @@ def create_app(services: Services) -> Litestar:
         try:
             yield
         finally:
-            if services.metrics is not None:
-                await services.metrics.stop()
+            if services.peers is not None:
+                await services.peers.stop()
             await services.mcp.stop()
             await services.jobs.stop()
             await services.feedback.stop()

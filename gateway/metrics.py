@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from litestar.enums import ScopeType
@@ -52,6 +51,7 @@ from prometheus_client.registry import Collector
 from gateway.auth import KeyRing
 from gateway.capture.sink import CaptureSink
 from gateway.engines.base import Engine
+from gateway.peers import PeerLink
 from gateway.routing import ModelRouter
 from gateway.settings import Settings
 from storage.database import Database
@@ -505,17 +505,6 @@ SHARED_FAMILIES = frozenset(
         "kaizen_rollout_difference",
     }
 )
-#: How long a scrape waits for a sibling worker's exposition (one that is restarting is left out).
-PEER_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class MetricsPeers:
-    """The serving workers of one `kaizen serve` (`gateway.workers`): this one's index and every worker's Unix
-    socket, on which each answers its own exposition to the others."""
-
-    index: int
-    sockets: tuple[Path, ...]
 
 
 class _Families:
@@ -532,6 +521,10 @@ def _labelled(family: Metric, worker: int) -> Metric:
     copy = Metric(family.name, family.documentation, family.type, family.unit)
     copy.samples = [s._replace(labels={**s.labels, "worker": str(worker)}) for s in family.samples]
     return copy
+
+
+#: What a sibling worker asks for its exposition (`gateway.peers`).
+PEER_TOPIC = "metrics"
 
 
 def merge_workers(own: Iterable[Metric], index: int, peers: dict[int, str]) -> list[Metric]:
@@ -570,12 +563,13 @@ class GatewayMetrics:
         engine: Engine,
         router: ModelRouter,
         sink: CaptureSink,
-        peers: MetricsPeers | None = None,
+        peers: PeerLink | None = None,
         shadow: ShadowTap | None = None,
     ) -> None:
         self.peers = peers
+        if peers is not None:
+            peers.answer(PEER_TOPIC, lambda _: openmetrics_exposition(self.registry))  # type: ignore[no-untyped-call]
         self.shadow = shadow
-        self._peer_server: asyncio.Server | None = None
         self.database = database
         self.engine = engine
         self.router = router
@@ -629,48 +623,12 @@ class GatewayMetrics:
                 self.store_ok = False
             self._store_read_at = time.monotonic()
 
-    async def start(self) -> None:
-        """As one of several workers: answer the others' requests for this worker's exposition."""
-        if self.peers is not None:
-            path = self.peers.sockets[self.peers.index]
-            path.unlink(missing_ok=True)  # left by the worker this one replaces
-            self._peer_server = await asyncio.start_unix_server(self._answer_peer, path=str(path))
-
-    async def stop(self) -> None:
-        if self._peer_server is not None:
-            self._peer_server.close()
-            await self._peer_server.wait_closed()
-
-    async def _answer_peer(self, _: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            writer.write(openmetrics_exposition(self.registry))  # type: ignore[no-untyped-call]
-            await writer.drain()
-        finally:
-            writer.close()
-
-    async def _read_peer(self, path: Path) -> str:
-        reader, writer = await asyncio.open_unix_connection(str(path))
-        try:
-            return (await reader.read()).decode()
-        finally:
-            writer.close()
-
     async def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for the scraper's Accept header (Prometheus text, or OpenMetrics) and its type; as one
         of several workers, every worker's (a worker that does not answer in time is left out, logged)."""
         encoder, content_type = choose_encoder(accept)
         if self.peers is None:
             return encoder(self.registry), content_type
-        others = [(i, p) for i, p in enumerate(self.peers.sockets) if i != self.peers.index]
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(self._read_peer(path), PEER_TIMEOUT_S) for _, path in others),
-            return_exceptions=True,
-        )
-        texts: dict[int, str] = {}
-        for (index, _), answer in zip(others, answers, strict=True):
-            if isinstance(answer, BaseException):
-                log.warning("metrics: worker %d did not answer (%s); left out of this scrape", index, answer)
-            else:
-                texts[index] = answer
-        families = merge_workers(self.registry.collect(), self.peers.index, texts)
+        texts = {index: text.decode() for index, text in (await self.peers.ask(PEER_TOPIC)).items()}
+        families = merge_workers(self.registry.collect(), self.peers.peers.index, texts)
         return encoder(_Families(families)), content_type  # type: ignore[arg-type]

@@ -275,7 +275,7 @@ def run_worker(config: WorkerConfig) -> None:
     from gateway.app import build_services, create_app
     from gateway.commands.options import configure_logging
     from gateway.http_protocol import http_protocol
-    from gateway.metrics import MetricsPeers
+    from gateway.peers import WorkerPeers
 
     settings = Settings.model_validate(config.settings)
     if config.index:
@@ -283,8 +283,8 @@ def run_worker(config: WorkerConfig) -> None:
     # A worker does not see the others' calls, so none unloads an idle adapter of the shared engine.
     settings = settings.model_copy(update={"adapter_idle_unload_s": math.inf})
     configure_logging(settings.log_level)
-    peers = MetricsPeers(config.index, peer_sockets(Path(config.peer_dir), config.count))
-    app = create_app(build_services(settings, peers=peers))
+    peers = WorkerPeers(config.index, peer_sockets(Path(config.peer_dir), config.count))
+    app = create_app(build_services(settings, workers=peers))
     listener = socket.socket(fileno=config.listen_fd)
     server = uvicorn.Server(
         uvicorn.Config(

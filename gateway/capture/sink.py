@@ -66,6 +66,7 @@ from gateway.capture.writer import (
     segment_numbers,
     segment_path,
 )
+from gateway.peers import PeerLink
 from storage.records import CallRecord
 from trainer.control.child_processes import own_modules_environment
 
@@ -219,6 +220,10 @@ class WriteAheadLog:
         self._file = None
 
 
+#: What sibling workers ask each other about an episode (`answer_peers`).
+EPISODE_QUEUED_TOPIC = "episode-queued"
+
+
 class HandOff(NamedTuple):
     """Where a call stands among those handed to the capture writers: the `writer`-th started, its `nth` call."""
 
@@ -308,6 +313,7 @@ class CaptureSink:
         self._earlier = WriterStatus()  # the counters of writers that exited unexpectedly, summed
         self._handed = 0  # calls appended or piped since the running writer started
         self._writer_starts = 0  # writers started so far: which one a call was handed to (`HandOff`)
+        self._peers: PeerLink | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._listener: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
@@ -655,6 +661,23 @@ class CaptureSink:
     def settling(self) -> bool:
         """Something submitted is not yet stored: in the log on its way, or waiting for the database."""
         return not self.writer.ready or self.writer.settled < self._handed
+
+    def answer_peers(self, link: PeerLink) -> None:
+        """As one of several serving workers: tell the others whether an episode has turns in this worker's
+        queue, and ask them in `episode_queued`."""
+        link.answer(
+            EPISODE_QUEUED_TOPIC, lambda episode_id: b"1" if self.episode_settling(episode_id) else b"0"
+        )
+        self._peers = link
+
+    async def episode_queued(self, episode_id: str) -> bool:
+        """A call of this episode answered by this process, or by a sibling worker, is not yet stored."""
+        if self.episode_settling(episode_id):
+            return True
+        if self._peers is None:
+            return False
+        answers = await self._peers.ask(EPISODE_QUEUED_TOPIC, episode_id)
+        return b"1" in answers.values()
 
     def episode_settling(self, episode_id: str) -> bool:
         """A call of this recent episode that this process answered is not yet stored (or dropped).

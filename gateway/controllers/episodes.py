@@ -110,25 +110,20 @@ class EpisodesController(Controller):
         self, session: AsyncSession, sink: CaptureSink, episode_id: str, principal: Principal
     ) -> EpisodeOut:
         trajectory = await get_transcript(session, episode_id)
-        if trajectory is not None and principal.sees(trajectory.project):
-            # Half an episode is not served: a judge or a training run reading it would see a shorter agent run.
-            if sink.episode_settling(episode_id):
-                raise EpisodeNotWritten(
-                    f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
-                    code="episode_not_written",
-                    retry_after=1.0,
-                )
-            rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
-            return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
-        # Known to this process and not yet written; once everything is written, a missing episode was
-        # deleted (retention) and is simply not found.
-        if trajectory is None and sink.recent.episode(episode_id)[0] and sink.settling:
+        if trajectory is not None and not principal.sees(trajectory.project):
+            raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")  # as if unknown
+        # Not written yet, or only some of its turns: a judge or a training run must not read an agent run cut
+        # short. Once everything is written, a missing episode was deleted (retention) and is simply not found.
+        if await sink.episode_queued(episode_id):
             raise EpisodeNotWritten(
-                f"episode {episode_id!r} is still in the capture queue; retry shortly",
+                f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
                 code="episode_not_written",
                 retry_after=1.0,
             )
-        raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")
+        if trajectory is None:
+            raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")
+        rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
+        return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
 
     @get("/{episode_id:str}")
     async def read(

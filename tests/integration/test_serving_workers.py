@@ -264,3 +264,50 @@ def test_two_workers_share_one_vllm_that_comes_back_with_their_adapters(tmp_path
     finally:
         gateway.stop()
     assert not vllm_servers()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_no_worker_serves_an_episode_whose_turn_another_worker_still_holds(
+    tmp_path: Path, upstream: ScriptedUpstream, database_url: str
+) -> None:
+    """An agent's turns may be answered by either worker, and its episode read through either: while one worker's
+    capture queue still holds a turn (about 3 s here), every worker answers the episode 409, not half of it."""
+    gateway = upstream_gateway(
+        tmp_path / "data",
+        database_url,
+        upstream.url,
+        {"KAIZEN_WORKERS": "2", "KAIZEN_CAPTURE_FLUSH_MS": "3000"},
+    )
+    headers = {"authorization": f"Bearer {gateway.api_key}"}
+
+    def read() -> httpx.Response:  # a connection of its own: it lands on either worker
+        return httpx.get(f"{gateway.url}/v1/episodes/agent-run", headers=headers, timeout=10)
+
+    async def turns_when_served() -> int:
+        async def served() -> bool:
+            answer = await asyncio.to_thread(read)
+            assert answer.status_code in (200, 409), answer.text
+            return answer.status_code == 200
+
+        assert await poll(served, 30), "the episode was never served"
+        return len((await asyncio.to_thread(read)).json()["turns"])
+
+    async def scenario() -> list[int]:
+        await start(gateway)
+        try:
+            client = sdk(gateway).with_options(default_headers={"x-episode-id": "agent-run"})
+            await client.chat.completions.create(
+                model="scripted-1", messages=[{"role": "user", "content": "plan"}]
+            )
+            assert await turns_when_served() == 1
+            await client.chat.completions.create(
+                model="scripted-1", messages=[{"role": "user", "content": "act"}]
+            )
+            statuses = [(await asyncio.to_thread(read)).status_code for _ in range(8)]
+            assert await turns_when_served() == 2
+            return statuses
+        finally:
+            await terminate(gateway)
+
+    statuses = asyncio.run(scenario())
+    assert statuses == [409] * 8, statuses
