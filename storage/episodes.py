@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from storage.calls import CALL_CLOCK_SLACK
+from storage.dialect import utc
 from storage.models import DEFAULT_PROJECT, EPISODE_SOURCE_TRAFFIC, Call, Episode, Reward
 from storage.policies import episodes_of
 
@@ -225,6 +227,7 @@ class GroupCandidate:
     group: str
     scored: bool
     created_at: datetime
+    last_call_at: datetime  # its newest call: an agent may still be adding turns to a recent one
 
 
 async def scoring_candidates(
@@ -236,6 +239,14 @@ async def scoring_candidates(
         select(Call.episode_id, Call.context_hash).where(Call.position == 0, Call.status == "ok").subquery()
     )
     scored = select(Reward.episode_id).where(Reward.source == source, Reward.episode_id.is_not(None))
+    # Read from the episode's start on: on PostgreSQL, only the day partitions since then.
+    last_call = (
+        select(func.max(Call.created_at))
+        .where(
+            Call.episode_id == Episode.id, Call.created_at >= Episode.created_at - literal(CALL_CLOCK_SLACK)
+        )
+        .scalar_subquery()
+    )
     query = (
         select(
             Episode.id,
@@ -243,6 +254,7 @@ async def scoring_candidates(
             first_call.c.context_hash,
             Episode.created_at,
             Episode.id.in_(scored).label("scored"),
+            last_call.label("last_call_at"),
         )
         .join(first_call, first_call.c.episode_id == Episode.id)
         .where(episodes_of(policy))
@@ -257,6 +269,7 @@ async def scoring_candidates(
             f"key:{row.group_key}" if row.group_key else f"prompt:{row.context_hash}",
             bool(row.scored),
             row.created_at,
+            utc(row.last_call_at or row.created_at),
         )
         for row in rows
     ]

@@ -9,18 +9,26 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.commands.main import main
+from gateway.settings import async_database_url
 from gateway.signing import verify
+from storage.database import Database
+from storage.models import Call, Episode
 from tests.conftest import query
 from tests.integration.test_feedback import add_policy, episode
 from tests.support.gateway_server import GatewayServer
 from tests.support.scripted_judge import ScriptedJudge
+from tests.support.sql import in_session
 from trainer.control.ruler import JudgeSettings, MalformedJudgement, build_prompt, judge_group, parse_scores
+from trainer.control.scheduler import JobRunner, RunnerConfig
 
 MakeGateway = Callable[..., GatewayServer]
 
@@ -353,3 +361,53 @@ def test_scoring_webhook_is_signed_and_retried(
     assert main(args) == 1  # the only group failed; recorded, not raised
     [failed] = query(url, "SELECT scorer, status, error FROM judge_groups WHERE status = 'failed'")
     assert failed["scorer"] == "webhook" and "500" in failed["error"]
+
+
+def test_a_scheduled_judge_run_leaves_a_group_an_agent_is_still_adding_to(
+    make_gateway: MakeGateway, database_url: str, judge: ScriptedJudge, tmp_path: Any
+) -> None:
+    """An agent's episode may still be taking turns when the judge's interval comes round: a scheduled run leaves
+    the whole group until its episodes have been quiet for `schedule.judge_quiet_s`; a manual run judges it now."""
+    gw = make_gateway(database_url)
+    add_policy(database_url, "scripted-1", {"schedule": {"judge_quiet_s": 120}})
+    done = [converse(gw, "good answer", "done"), converse(gw, "bad answer", "done")]
+    busy = [converse(gw, "good answer", "busy"), converse(gw, "bad answer", "busy")]
+    gw.flush()
+    # The finished group's calls were made ten minutes ago; the other group's second episode is still live.
+    old = datetime.now(UTC) - timedelta(minutes=10)
+
+    async def backdate(session: AsyncSession) -> None:
+        finished = [*done, busy[0]]
+        await session.execute(update(Call).where(Call.episode_id.in_(finished)).values(created_at=old))
+        await session.execute(update(Episode).where(Episode.id.in_(finished)).values(created_at=old))
+
+    in_session(database_url, backdate)
+    config = RunnerConfig(
+        data_dir=tmp_path,
+        database_url=database_url,
+        judge=settings(judge),
+        train_command=[sys.executable, "-m", "trainer.learner"],
+        gate_url="http://127.0.0.1:9/v1",
+    )
+
+    async def judge_run(trigger: str) -> dict[str, Any]:
+        database = Database(async_database_url(database_url))
+        try:
+            run = await JobRunner(database, config).run("scripted-1", "judge", trigger)
+            assert run is not None and run.status == "succeeded", run
+            return dict(run.metrics or {})
+        finally:
+            await database.dispose()
+
+    def judged() -> set[str]:
+        return {
+            r["episode_id"]
+            for r in query(database_url, "SELECT episode_id FROM rewards WHERE source = 'judge'")
+        }
+
+    scheduled = asyncio.run(judge_run("interval"))
+    assert (scheduled["judged"], scheduled["in_progress"]) == (1, 1)
+    assert judged() == set(done)
+    manual = asyncio.run(judge_run("manual"))
+    assert (manual["judged"], manual["in_progress"]) == (1, 0)
+    assert judged() == {*done, *busy}

@@ -30,31 +30,46 @@ class JudgeReport:
     judged: int = 0
     failed: int = 0
     too_small: int = 0  # unscored groups with fewer episodes than the scorer needs
+    in_progress: int = (
+        0  # unscored groups left for later: an episode of theirs had a call after `settled_before`
+    )
     rewards: int = 0  # reward rows written
 
 
 async def unscored_groups(
-    database: Database, policy: str, scorer: Scorer, since: datetime | None
-) -> tuple[list[tuple[str, list[str]]], int]:
-    """([(group, episode ids)], groups too small), oldest first."""
+    database: Database,
+    policy: str,
+    scorer: Scorer,
+    since: datetime | None,
+    settled_before: datetime | None = None,
+) -> tuple[list[tuple[str, list[str]]], int, int]:
+    """([(group, episode ids)], groups too small, groups in progress), oldest first. With `settled_before`, a group
+    one of whose episodes had a call after it is in progress: an agent may still be adding turns, and a group is
+    judged as a whole."""
     async with database.session() as session:
         candidates = await scoring_candidates(session, policy, source=scorer.source, since=since)
     groups: dict[str, list[tuple[str, bool]]] = {}
+    busy: set[str] = set()
     for candidate in candidates:
         groups.setdefault(candidate.group, []).append((candidate.episode_id, candidate.scored))
+        if settled_before is not None and candidate.last_call_at > settled_before:
+            busy.add(candidate.group)
     ready: list[tuple[str, list[str]]] = []
-    too_small = 0
+    too_small = in_progress = 0
     for group, members in groups.items():
         if all(scored for _, scored in members):
             continue
         if len(members) < scorer.min_group_size:
             too_small += 1
             continue
+        if group in busy:
+            in_progress += 1
+            continue
         if scorer.kind == "judge":
             ready.append((group, [episode_id for episode_id, _ in members]))
         else:
             ready.append((group, [episode_id for episode_id, scored in members if not scored]))
-    return ready, too_small
+    return ready, too_small, in_progress
 
 
 async def _store(
@@ -109,18 +124,20 @@ async def judge_policy(
     *,
     webhook_secret: str = "",
     since: datetime | None = None,
+    settled_before: datetime | None = None,
     limit: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     complete: Complete = litellm_complete,
 ) -> JudgeReport:
-    """Score up to `limit` unscored groups of `policy`, `judge.concurrency` at a time."""
+    """Score up to `limit` unscored groups of `policy`, `judge.concurrency` at a time; with `settled_before`, only
+    groups whose episodes had no call after it."""
     async with database.session() as session:
         config = await policy_reward_config(session, policy)
     scorer = Scorer(config, judge, webhook_secret=webhook_secret, complete=complete)
-    groups, too_small = await unscored_groups(database, policy, scorer, since)
+    groups, too_small, in_progress = await unscored_groups(database, policy, scorer, since, settled_before)
     if limit is not None:
         groups = groups[:limit]
-    report = JudgeReport(groups=len(groups), too_small=too_small)
+    report = JudgeReport(groups=len(groups), too_small=too_small, in_progress=in_progress)
     if progress is not None:
         progress(0, len(groups))
     gate = asyncio.Semaphore(judge.concurrency)

@@ -376,6 +376,13 @@ class ScheduleConfig(_Section):
     judge_interval_s: float | None = Field(
         3600.0, gt=0, description="Score unscored groups this often; null: never on a schedule."
     )
+    judge_quiet_s: float = Field(
+        120.0,
+        ge=0,
+        description="A scheduled judge run leaves a group for a later run while one of its episodes had a call "
+        "in the last this many seconds: an agent still at work would be judged on part of its run. Manual runs "
+        "judge at once. 0: scheduled runs do too.",
+    )
     train_cron: str | None = Field(
         "0 3 * * *", description="Train at these times (crontab, UTC; default nightly); null: no cron."
     )

@@ -305,8 +305,14 @@ class JobRunner:
         run_id = await self._new_run(policy, "judge", trigger)
         announce(run_id)
         try:
+            # A scheduled run leaves episodes an agent may still be adding turns to; a manual one was asked for now.
+            quiet_s = 0.0 if trigger == "manual" else load_policy_config(policy.config).schedule.judge_quiet_s
             report = await judge_policy(
-                self.database, policy.name, self.config.judge, webhook_secret=self.config.webhook_secret
+                self.database,
+                policy.name,
+                self.config.judge,
+                webhook_secret=self.config.webhook_secret,
+                settled_before=_now() - timedelta(seconds=quiet_s) if quiet_s else None,
             )
         except Exception as exc:
             logger.exception("judge job of %s failed", policy.name)
