@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from gateway.commands.main import main
@@ -60,7 +61,21 @@ def trajectories() -> list[EpisodeTranscript]:
 def score(rewards: dict[str, Any], *, private_networks: bool, secret: str = "") -> GroupScore:
     config = load_policy_config({"rewards": rewards}).rewards
     judge = JudgeSettings(model="judge-model", max_retries=0, private_networks=private_networks)
-    return asyncio.run(Scorer(config, judge, webhook_secret=secret).score(trajectories()))
+
+    async def run() -> GroupScore:
+        async with Scorer(config, judge, webhook_secret=secret) as scorer:
+            return await scorer.score(trajectories())
+
+    return asyncio.run(run())
+
+
+def connections_to(port: int) -> list[int]:
+    """The local ports of this process's established connections to `port` on loopback."""
+    return sorted(
+        c.laddr.port
+        for c in psutil.Process().net_connections("tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    )
 
 
 @pytest.mark.parametrize(
@@ -216,6 +231,26 @@ def test_a_judge_the_policy_names_is_called_through_the_pinned_client(
     redirected = score(rewards, private_networks=True)
     assert redirected.scores is None and redirected.error is not None
     assert len(judge.requests) == 2 and elsewhere.requests == []
+
+
+def test_a_scorer_calls_the_policys_judge_over_one_client_until_it_is_closed(judge: ScriptedJudge) -> None:
+    # Every group a scorer judges goes through one pinned client (its connection is kept), each request still
+    # checked where it connects; closing the scorer closes it.
+    config = load_policy_config({"rewards": {"judge": {"api_base": judge.url}}}).rewards
+    settings = JudgeSettings(model="judge-model", max_retries=0, private_networks=True)
+
+    async def scenario() -> tuple[list[list[int]], list[GroupScore]]:
+        seen, results = [], []
+        async with Scorer(config, settings) as scorer:
+            for _ in range(3):
+                results.append(await scorer.score(trajectories()))
+                seen.append(connections_to(judge.port))
+        return seen, results
+
+    seen, results = asyncio.run(scenario())
+    assert [r.error for r in results] == [None, None, None] and len(judge.requests) == 3
+    assert len(seen[0]) == 1 and seen == [seen[0]] * 3
+    assert connections_to(judge.port) == []
 
 
 def test_the_operator_judge_setting_may_be_on_loopback(judge: ScriptedJudge) -> None:

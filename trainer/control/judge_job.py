@@ -18,7 +18,7 @@ from storage.database import Database
 from storage.episodes import get_transcripts, scoring_candidates
 from storage.rewards import NewReward, insert_rewards, record_judge_group
 from trainer.control.rewards import policy_reward_config, refresh_episode_rewards
-from trainer.control.ruler import Complete, JudgeSettings, litellm_complete
+from trainer.control.ruler import Complete, JudgeSettings
 from trainer.control.scoring import GroupScore, Scorer
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ async def judge_policy(
     settled_before: datetime | None = None,
     limit: int | None = None,
     progress: Callable[[int, int], None] | None = None,
-    complete: Complete = litellm_complete,
+    complete: Complete | None = None,
 ) -> JudgeReport:
     """Score up to `limit` unscored groups of `policy`, `judge.concurrency` at a time; with `settled_before`, only
     groups whose episodes had no call after it."""
@@ -166,5 +166,6 @@ async def judge_policy(
             if progress is not None:
                 progress(done, len(groups))
 
-    await asyncio.gather(*(run(group, ids) for group, ids in groups))
+    async with scorer:  # its judge's client, opened by the first group, is closed with the last
+        await asyncio.gather(*(run(group, ids) for group, ids in groups))
     return report

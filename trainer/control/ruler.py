@@ -267,56 +267,78 @@ def offset_seed(seed: int | None, offset: int) -> int | None:
     return None if seed is None else (seed + offset) % SEED_SPACE
 
 
-def policy_judge(settings: JudgeSettings) -> tuple[str, Any]:
-    """litellm's model string and client for a judge at the URL a policy names: an OpenAI-compatible server
-    (what `api_base` means), reached through Kaizen's pinned client, since litellm's own would look the name up
-    again and follow redirects. A leading `openai/` or `hosted_vllm/` names the provider, not the model."""
-    from openai import AsyncOpenAI  # litellm's dependency, imported with it by now
+class PolicyJudge:
+    """A judge at the URL a policy names: an OpenAI-compatible server (what `api_base` means), reached through
+    Kaizen's pinned client, since litellm's own would look the name up again and follow redirects. Its owner (a
+    `Scorer`) keeps one for its lifetime, so every call shares the client's connections (each request is still
+    checked where it connects), and closes it with `aclose`. A leading `openai/` or `hosted_vllm/` names the
+    provider, not the model."""
 
-    name = settings.model
-    for provider in ("openai/", "hosted_vllm/"):
-        name = name.removeprefix(provider)
-    client = AsyncOpenAI(
-        base_url=settings.api_base,
-        api_key=settings.api_key or "unused",
-        max_retries=0,
-        timeout=settings.timeout_s,
-        # openai accepts an httpx client as well as its own httpx2 one; its annotation names only the latter.
-        http_client=policy_client(  # type: ignore[arg-type]
-            private_networks=settings.private_networks, timeout=settings.timeout_s
-        ),
-    )
-    return f"openai/{name}", client
+    def __init__(self, settings: JudgeSettings) -> None:
+        self.settings = settings
+        name = settings.model
+        for provider in ("openai/", "hosted_vllm/"):
+            name = name.removeprefix(provider)
+        self.model = f"openai/{name}"  # litellm's model string
+        self._client: Any = None
+
+    def client(self) -> Any:
+        """The OpenAI client, made on the first call: openai comes with litellm, imported by then."""
+        if self._client is None:
+            from openai import AsyncOpenAI
+
+            settings = self.settings
+            self._client = AsyncOpenAI(
+                base_url=settings.api_base,
+                api_key=settings.api_key or "unused",
+                max_retries=0,
+                timeout=settings.timeout_s,
+                # openai accepts an httpx client as well as its own httpx2 one; its annotation names only
+                # the latter.
+                http_client=policy_client(  # type: ignore[arg-type]
+                    private_networks=settings.private_networks, timeout=settings.timeout_s
+                ),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
 
 
 async def litellm_complete(
-    messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
+    messages: list[dict[str, Any]],
+    fmt: dict[str, Any],
+    settings: JudgeSettings,
+    *,
+    policy_judge: PolicyJudge | None = None,
 ) -> Completion:
+    """One completion through litellm. A judge at a URL the policy names (`policy_api_base`) is called through
+    `policy_judge`, its owner's, and never through litellm's own client."""
     litellm = await import_litellm()
     seed = settings.seed if settings.seed is not None and takes_seed(litellm, settings) else None
     model = litellm_model(settings, litellm.provider_list)
     client: Any = None
     if settings.policy_api_base and settings.api_base:
-        model, client = policy_judge(settings)
+        if policy_judge is None:
+            raise ValueError("a judge at a URL the policy names is called through its owner's PolicyJudge")
+        model, client = policy_judge.model, policy_judge.client()
     started = time.perf_counter()
-    try:
-        response = await litellm.acompletion(
-            model=model,
-            messages=messages,
-            api_base=settings.api_base or None,
-            api_key=settings.api_key or ("unused" if settings.api_base else None),
-            temperature=settings.temperature,
-            timeout=settings.timeout_s,
-            response_format=fmt,
-            max_tokens=settings.max_tokens,
-            seed=seed,
-            extra_headers=NO_LOG_HEADERS,
-            num_retries=0,  # retries (with the malformed-answer ones) are ours
-            **({} if client is None else {"client": client}),
-        )
-    finally:
-        if client is not None:
-            await client.close()
+    response = await litellm.acompletion(
+        model=model,
+        messages=messages,
+        api_base=settings.api_base or None,
+        api_key=settings.api_key or ("unused" if settings.api_base else None),
+        temperature=settings.temperature,
+        timeout=settings.timeout_s,
+        response_format=fmt,
+        max_tokens=settings.max_tokens,
+        seed=seed,
+        extra_headers=NO_LOG_HEADERS,
+        num_retries=0,  # retries (with the malformed-answer ones) are ours
+        **({} if client is None else {"client": client}),
+    )
     text = response.choices[0].message.content or ""
     cost = (getattr(response, "_hidden_params", None) or {}).get("response_cost")
     latency_ms = (time.perf_counter() - started) * 1000

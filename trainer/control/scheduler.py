@@ -526,12 +526,14 @@ class JobRunner:
         if policy.active_version is None:
             result = GateResult("promote", candidate, -1, ["no active version to compare with"])
         else:
-            scorer = Scorer(
-                policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
-            )
             try:
                 # Agent tasks are attempted whole: with the tools that may run outside traffic, else replayed.
-                async with ToolBox(policy_config.tools, for_resampling=True) as tools:
+                async with (
+                    Scorer(
+                        policy_config.rewards, self.config.judge, webhook_secret=self.config.webhook_secret
+                    ) as scorer,
+                    ToolBox(policy_config.tools, for_resampling=True) as tools,
+                ):
                     sampler = VersionSampler(
                         self.config.gate_url,
                         self.config.gateway_key(policy.project),
@@ -580,8 +582,8 @@ class JobRunner:
         if policy is None:
             return
         rewards = load_policy_config(policy.config).rewards
-        scorer = Scorer(rewards, self.config.judge, webhook_secret=self.config.webhook_secret)
-        await score_shadow_pairs(self.database, rollout, scorer)
+        async with Scorer(rewards, self.config.judge, webhook_secret=self.config.webhook_secret) as scorer:
+            await score_shadow_pairs(self.database, rollout, scorer)
 
 
 async def ship(session: AsyncSession, policy: PolicyInfo, run_id: int, candidate: int) -> str:

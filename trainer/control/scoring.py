@@ -35,7 +35,14 @@ import msgspec
 from storage.episodes import EpisodeTranscript
 from trainer.control.outbound import OutboundRefused, address_problem, policy_client
 from trainer.control.policy_config import RewardConfig
-from trainer.control.ruler import Complete, JudgeSettings, judge_group, litellm_complete
+from trainer.control.ruler import (
+    Complete,
+    Completion,
+    JudgeSettings,
+    PolicyJudge,
+    judge_group,
+    litellm_complete,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +101,10 @@ def load_function(path: str) -> Callable[..., Any]:
 
 
 class Scorer:
-    """Scores groups of trajectories with the policy's configured method."""
+    """Scores groups of trajectories with the policy's configured method.
+
+    A judge at a URL the policy names is called through one client for the scorer's lifetime: use it as
+    `async with Scorer(...) as scorer:`, or call `aclose` when done. `complete` replaces litellm (tests)."""
 
     def __init__(
         self,
@@ -102,7 +112,7 @@ class Scorer:
         judge: JudgeSettings,
         *,
         webhook_secret: str = "",
-        complete: Complete = litellm_complete,
+        complete: Complete | None = None,
     ) -> None:
         self.config = config
         self.kind = config.scorer.kind
@@ -113,8 +123,26 @@ class Scorer:
             policy_api_base=bool(config.judge.api_base),
         )
         self.webhook_secret = webhook_secret
-        self.complete = complete
+        self.complete = complete if complete is not None else self._litellm
         self._warned_unsigned = False
+        # No client until the first call (the OpenAI client comes with litellm).
+        self._policy_judge = PolicyJudge(self.judge) if self.judge.policy_api_base else None
+
+    async def __aenter__(self) -> Scorer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the client of the policy's judge, if one was opened."""
+        if self._policy_judge is not None:
+            await self._policy_judge.aclose()
+
+    async def _litellm(
+        self, messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
+    ) -> Completion:
+        return await litellm_complete(messages, fmt, settings, policy_judge=self._policy_judge)
 
     @property
     def source(self) -> str:

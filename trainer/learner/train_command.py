@@ -63,7 +63,8 @@ async def train_policy(job: TrainingJob, followers: Followers | None = None) -> 
             followers=followers,
             lock_owner=job.lock_owner,
         )
-        outcome = await run_training(database, request)
+        async with scorer:
+            outcome = await run_training(database, request)
     finally:
         await database.dispose()
     log.info("training run %d: %s %s", outcome.run_id, outcome.status, outcome.adapter_path or outcome.error)
