@@ -189,9 +189,10 @@ def _newer(connection: Connection, current: str, head: str) -> NewerDatabase:
     return NewerDatabase(current, head, tuple(reversed(since)) if found else None)
 
 
-def read_plan(connection: Connection, url: str, revision: str = "head") -> Plan | NewerDatabase:
+def read_plan(
+    connection: Connection, script: ScriptDirectory, revision: str = "head"
+) -> Plan | NewerDatabase:
     """What an upgrade of the database on `connection` to `revision` would do (nothing is changed)."""
-    script = _script(url)
     current = MigrationContext.configure(connection).get_current_revision()
     head = script.get_current_head()
     assert head is not None
@@ -211,7 +212,7 @@ def read_plan(connection: Connection, url: str, revision: str = "head") -> Plan 
     return Plan(connection.dialect.name, current, target.revision, tuple(reversed(pending)))
 
 
-def _record(connection: Connection, url: str) -> None:
+def _record(connection: Connection, script: ScriptDirectory) -> None:
     """Add the revisions the database went through that `schema_revisions` lacks (once revision 0021 made it)."""
     recorded = _recorded(connection)
     current = MigrationContext.configure(connection).get_current_revision()
@@ -220,14 +221,14 @@ def _record(connection: Connection, url: str) -> None:
     dialect = connection.dialect.name
     now = datetime.now(UTC)
     rows = []
-    for script in _script(url).iterate_revisions(current, "base"):
-        if script.revision not in recorded:
-            safety = Migration.of(script).safety
-            previous = script.down_revision
+    for applied in script.iterate_revisions(current, "base"):
+        if applied.revision not in recorded:
+            safety = Migration.of(applied).safety
+            previous = applied.down_revision
             assert previous is None or isinstance(previous, str), "the history is linear"
             rows.append(
                 {
-                    "revision": script.revision,
+                    "revision": applied.revision,
                     "previous": previous,
                     "online_safe": safety.safe_on(dialect),
                     "note": safety.why,
@@ -272,6 +273,7 @@ async def upgrade_database(
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+    script = _script(url)  # one for the plan and the record: each reads every migration file anew
     engine = create_async_engine(url)
     try:
         async with engine.begin() as connection:
@@ -280,7 +282,7 @@ async def upgrade_database(
                 await connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
 
             def _upgrade(sync_connection: Connection) -> Plan | NewerDatabase:
-                plan = read_plan(sync_connection, url, revision)
+                plan = read_plan(sync_connection, script, revision)
                 if isinstance(plan, NewerDatabase):
                     log.warning("%s", plan.verdict())
                     return plan
@@ -289,7 +291,7 @@ async def upgrade_database(
                 if plan.offline and not gateways_stopped:
                     raise MigrationRefused(plan.refusal(by))
                 _apply(sync_connection, url, plan, online=not gateways_stopped)
-                _record(sync_connection, url)
+                _record(sync_connection, script)
                 return plan
 
             done = await connection.run_sync(_upgrade)
@@ -305,7 +307,7 @@ async def database_plan(url: str, revision: str = "head") -> Plan | NewerDatabas
     engine = create_async_engine(url)
     try:
         async with engine.connect() as connection:
-            return await connection.run_sync(lambda sync: read_plan(sync, url, revision))
+            return await connection.run_sync(lambda sync: read_plan(sync, _script(url), revision))
     finally:
         await engine.dispose()
 
