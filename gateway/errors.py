@@ -8,6 +8,7 @@ import msgspec
 from litestar import Response
 from litestar.types import Send
 
+from gateway.bare_asgi import send_json
 from gateway.protocol import ErrorBody, ErrorResponse
 
 if TYPE_CHECKING:
@@ -55,14 +56,11 @@ class APIError(Exception):
 
     async def send(self, send: Send) -> None:
         """Answer with this error over bare ASGI, as `to_response` does through Litestar (the chat route's)."""
-        body = _encode(self.body())
-        headers = [
+        own = (
             (name.encode("latin-1"), value.encode("latin-1"))
             for name, value in self.response_headers().items()
-        ]
-        headers += [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        )
+        await send_json(send, self.status_code, _encode(self.body()), leading=own)
 
 
 class InvalidRequest(APIError):

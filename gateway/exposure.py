@@ -21,9 +21,10 @@ from typing import get_args
 import msgspec
 from litestar.config.cors import CORSConfig
 from litestar.enums import ScopeType
-from litestar.types import ASGIApp, HTTPResponseBodyEvent, HTTPResponseStartEvent, Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import KeyRing
+from gateway.bare_asgi import send_json
 from gateway.rate_limits import LimitKind
 from gateway.settings import Settings
 
@@ -103,18 +104,6 @@ def _json_media_type(value: bytes) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
-async def _refuse(send: Send, status: int, body: bytes) -> None:
-    """Answer with an OpenAI-shaped error body before the app has seen the request."""
-    start: HTTPResponseStartEvent = {
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-    }
-    end: HTTPResponseBodyEvent = {"type": "http.response.body", "body": body, "more_body": False}
-    await send(start)
-    await send(end)
-
-
 def json_bodies_only(app: ASGIApp) -> ASGIApp:
     """ASGI middleware: a POST/PUT/PATCH whose body is not declared JSON gets an OpenAI-shaped 415, unread.
 
@@ -135,7 +124,7 @@ def json_bodies_only(app: ASGIApp) -> ASGIApp:
             if (content_type is not None or has_body) and not (
                 content_type is not None and _json_media_type(content_type)
             ):
-                await _refuse(send, 415, _UNSUPPORTED)
+                await send_json(send, 415, _UNSUPPORTED)
                 return
         await app(scope, receive, send)
 
@@ -169,7 +158,7 @@ def loopback_hosts_only(settings: Settings, keys: KeyRing) -> Callable[[ASGIApp]
             if guarded and scope["type"] == ScopeType.HTTP and keys.open:
                 host = next((value for name, value in scope["headers"] if name == b"host"), None)
                 if host is not None and not _loopback_name(_host_name(host.decode("latin-1")), allowed):
-                    await _refuse(send, 403, _HOST_NOT_ALLOWED)
+                    await send_json(send, 403, _HOST_NOT_ALLOWED)
                     return
             await app(scope, receive, send)
 

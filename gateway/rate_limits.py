@@ -25,6 +25,7 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import KeyRing, digest
+from gateway.bare_asgi import send_json
 from gateway.protocol import ErrorBody, ErrorResponse
 from gateway.settings import Settings
 
@@ -279,18 +280,7 @@ def rate_limit_middleware(
             caller = verdict.caller
             if verdict.refused is not None:
                 body, headers = refusal(identity, verdict, limiter)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 429,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            *headers,
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body, "more_body": False})
+                await send_json(send, 429, body, headers)
                 return
             if spends and caller.tokens is not None:
                 scope["state"][METER_STATE_KEY] = lambda used: limiter.charge(caller, used)

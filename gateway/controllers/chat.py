@@ -21,6 +21,7 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import KeyRing, authenticate_client, authenticates, principal_of
+from gateway.bare_asgi import send_json
 from gateway.chat import CallContext, ChatService
 from gateway.errors import APIError, InternalError, PayloadTooLarge, undecodable_body
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
@@ -153,10 +154,8 @@ class JSONReply:
         self.headers = headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body))]
-        raw.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items())
-        await send({"type": "http.response.start", "status": 200, "headers": raw})
-        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+        headers = ((name.encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items())
+        await send_json(send, 200, self.body, headers)
 
 
 class EventStream:
