@@ -107,14 +107,21 @@ class EpisodesController(Controller):
     guards = [requires("read")]  # noqa: RUF012
 
     async def _load(
-        self, session: AsyncSession, sink: CaptureSink, episode_id: str, principal: Principal
+        self,
+        session: AsyncSession,
+        sink: CaptureSink,
+        episode_id: str,
+        principal: Principal,
+        *,
+        whole: bool = True,
     ) -> EpisodeOut:
+        """The episode as stored; `whole`: only once none of its turns waits in a capture queue."""
         trajectory = await get_transcript(session, episode_id)
         if trajectory is not None and not principal.sees(trajectory.project):
             raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")  # as if unknown
         # Not written yet, or only some of its turns: a judge or a training run must not read an agent run cut
         # short. Once everything is written, a missing episode was deleted (retention) and is simply not found.
-        if await sink.episode_queued(episode_id):
+        if (trajectory is None or whole) and await sink.episode_queued(episode_id):
             raise EpisodeNotWritten(
                 f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
                 code="episode_not_written",
@@ -167,4 +174,5 @@ class EpisodesController(Controller):
         )
         if not found:
             await self._load(session, sink, episode_id, principal)  # raises the right 404 / 409
-        return await self._load(session, sink, episode_id, principal)
+        # Edited as stored: an agent may tag its episode while its latest turn is still on its way.
+        return await self._load(session, sink, episode_id, principal, whole=False)

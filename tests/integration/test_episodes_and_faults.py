@@ -124,7 +124,7 @@ def test_an_episode_with_turns_still_queued_is_not_served_half_written(
     make_gateway: MakeGateway, database_url: str
 ) -> None:
     """A judge or a training run reads an episode once it is served whole: while a later turn waits in the capture
-    queue, reading the episode answers 409 (retry), not the turns stored so far."""
+    queue, reading the episode answers 409 (retry), not the turns stored so far; editing it works as stored."""
     gw = make_gateway(database_url, capture_flush_ms=3000.0)  # each turn waits about 3 s in the queue
     tagged = openai.OpenAI(
         base_url=gw.url + "/v1", api_key="x", max_retries=0, default_headers={"x-episode-id": "agent-run"}
@@ -150,7 +150,10 @@ def test_an_episode_with_turns_still_queued_is_not_served_half_written(
     assert half.status_code == 409, half.text
     assert half.json()["error"]["code"] == "episode_not_written"
     assert half.headers["retry-after"]
-    wait_for_turns(2)
+    # An edit is not held back: the agent may tag its run while the latest turn is on its way.
+    edited = httpx.put(f"{gw.url}/v1/episodes/agent-run", json={"tags": ["mid-run"]}, timeout=10)
+    assert edited.status_code == 200 and edited.json()["tags"] == ["mid-run"], edited.text
+    assert wait_for_turns(2)["tags"] == ["mid-run"]
 
 
 def test_client_disconnect_mid_stream_is_recorded(make_gateway: MakeGateway, database_url: str) -> None:
