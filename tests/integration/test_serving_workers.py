@@ -271,7 +271,8 @@ def test_no_worker_serves_an_episode_whose_turn_another_worker_still_holds(
     tmp_path: Path, upstream: ScriptedUpstream, database_url: str
 ) -> None:
     """An agent's turns may be answered by either worker, and its episode read through either: while one worker's
-    capture queue still holds a turn (about 3 s here), every worker answers the episode 409, not half of it."""
+    capture queue still holds a turn (about 3 s here), every worker answers the episode 409, never a 404 before
+    its first turn is stored nor half of it after."""
     gateway = upstream_gateway(
         tmp_path / "data",
         database_url,
@@ -283,31 +284,36 @@ def test_no_worker_serves_an_episode_whose_turn_another_worker_still_holds(
     def read() -> httpx.Response:  # a connection of its own: it lands on either worker
         return httpx.get(f"{gateway.url}/v1/episodes/agent-run", headers=headers, timeout=10)
 
-    async def turns_when_served() -> int:
+    async def reads_until_served() -> tuple[list[int], int]:
+        """The status of every read until the episode is served, and how many turns it was served with."""
+        statuses: list[int] = []
+        turns = 0
+
         async def served() -> bool:
+            nonlocal turns
             answer = await asyncio.to_thread(read)
-            assert answer.status_code in (200, 409), answer.text
+            statuses.append(answer.status_code)
+            if answer.status_code == 200:
+                turns = len(answer.json()["turns"])
             return answer.status_code == 200
 
-        assert await poll(served, 30), "the episode was never served"
-        return len((await asyncio.to_thread(read)).json()["turns"])
+        assert await poll(served, 30, every_s=0.1), f"the episode was never served: {statuses}"
+        return statuses, turns
 
-    async def scenario() -> list[int]:
+    async def scenario() -> list[tuple[list[int], int]]:
         await start(gateway)
         try:
             client = sdk(gateway).with_options(default_headers={"x-episode-id": "agent-run"})
-            await client.chat.completions.create(
-                model="scripted-1", messages=[{"role": "user", "content": "plan"}]
-            )
-            assert await turns_when_served() == 1
-            await client.chat.completions.create(
-                model="scripted-1", messages=[{"role": "user", "content": "act"}]
-            )
-            statuses = [(await asyncio.to_thread(read)).status_code for _ in range(8)]
-            assert await turns_when_served() == 2
-            return statuses
+            reads = []
+            for text in ("plan", "act"):
+                await client.chat.completions.create(
+                    model="scripted-1", messages=[{"role": "user", "content": text}]
+                )
+                reads.append(await reads_until_served())
+            return reads
         finally:
             await terminate(gateway)
 
-    statuses = asyncio.run(scenario())
-    assert statuses == [409] * 8, statuses
+    # Every read through either worker, until the turn just made was stored, was refused: none was served short.
+    for turns, (statuses, served_with) in enumerate(asyncio.run(scenario()), start=1):
+        assert served_with == turns and set(statuses[:-1]) == {409} and statuses[-1] == 200, (turns, statuses)
