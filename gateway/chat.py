@@ -56,7 +56,6 @@ _encode = msgspec.json.Encoder().encode
 _PATH = re.compile(r"at `\$\.?(.*)`$")
 # `X-Kaizen-Source`: what a tool that sends calls on purpose (not an app's traffic) names its episodes.
 _SOURCE = re.compile(r"^[a-z][a-z0-9_.-]{0,31}$")
-_DONE = b"data: [DONE]\n\n"
 # Request fields stored under their own keys; everything else is kept under `params`.
 _STORED_PARAMS = ("messages", "tools", "tool_choice")
 # Database lookups of unknown follow-ups in flight at once; past it, calls are left to the capture writer.
@@ -107,19 +106,26 @@ async def event_chunks(
     assembler: EventSource,
     started: float,
     finish: Callable[[str, APIError | None, float | None], None],
-) -> AsyncGenerator[Any, None]:
-    """The conformant chunks of an engine stream. `finish(status, error, time to first output)` runs when they
-    end: before the iteration stops, before an engine failure is raised to the consumer as `APIError`, and when
-    the consumer closes the generator early (a client disconnect, where the partial reply counts)."""
+) -> AsyncGenerator[list[Any], None]:
+    """The conformant chunks of an engine stream, in lists of those that arrived together (one write each for
+    the relay, instead of one per chunk; nothing is held back waiting for the engine). `finish(status, error,
+    time to first output)` runs when they end: before the iteration stops, before an engine failure is raised to
+    the consumer as `APIError`, and when the consumer closes the generator early (a client disconnect, where the
+    partial reply counts)."""
     status, error, ttft = "client_disconnected", None, None
+    batch: list[Any] = []
     try:
         async for raw in engine_stream:
             chunk = assembler.feed(raw)
-            if chunk is None:
-                continue
-            if ttft is None and assembler.output_seen:
-                ttft = time.perf_counter() - started
-            yield chunk
+            if chunk is not None:
+                if ttft is None and assembler.output_seen:
+                    ttft = time.perf_counter() - started
+                batch.append(chunk)
+            if batch and not engine_stream.ready():
+                yield batch
+                batch = []
+        if batch:
+            yield batch
         status = "ok"
     except APIError as exc:
         status, error = "error", exc
@@ -129,14 +135,23 @@ async def event_chunks(
         finish(status, error, ttft)
 
 
-async def sse(chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[bytes, None]:
+class LastEvent(bytes):
+    """A stream's final event (`[DONE]` or an error): the relay sends it with the end of the body, in one write."""
+
+    __slots__ = ()
+
+
+_DONE = LastEvent(b"data: [DONE]\n\n")
+
+
+async def sse(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[bytes, None]:
     """Server-sent events of `event_chunks`: the call is recorded before the final event (`[DONE]`, or the
     error in OpenAI's shape) goes out, so a client that saw the end of its stream has a logged call."""
     try:
-        async for chunk in chunks:
-            yield b"data: " + _encode(chunk) + b"\n\n"
+        async for batch in chunks:
+            yield b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in batch])
     except APIError as exc:
-        yield b"data: " + _encode(exc.body()) + b"\n\n"
+        yield LastEvent(b"data: " + _encode(exc.body()) + b"\n\n")
         return
     finally:
         await chunks.aclose()
@@ -472,8 +487,9 @@ class ChatService:
         """Open the engine stream (errors raise here, before any byte is sent) and return the SSE relay."""
         return sse(await self.stream_chunks(ctx))
 
-    async def stream_chunks(self, ctx: CallContext) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """Open the engine stream (errors raise here) and return its conformant chunks.
+    async def stream_chunks(self, ctx: CallContext) -> AsyncGenerator[list[ChatCompletionChunk], None]:
+        """Open the engine stream (errors raise here) and return its conformant chunks, in lists of those that
+        arrived together.
 
         The call is recorded when the chunks end: before the iteration stops, before an engine failure is
         raised to the consumer as `APIError`, and when the consumer closes it early (a client disconnect)."""

@@ -22,7 +22,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import KeyRing, authenticate_client, authenticates, principal_of
 from gateway.bare_asgi import send_json
-from gateway.chat import CallContext, ChatService
+from gateway.chat import CallContext, ChatService, LastEvent
 from gateway.errors import APIError, InternalError, PayloadTooLarge, undecodable_body
 from gateway.rate_limits import SPENDS_TOKENS, token_meter
 from gateway.routing import Route
@@ -181,7 +181,10 @@ class EventStream:
 
     async def _relay(self, send: Send) -> None:
         async for event in self.events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+            last = type(event) is LastEvent
+            await send({"type": "http.response.body", "body": event, "more_body": not last})
+            if last:
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -50,6 +50,11 @@ class EngineStream(ABC):
     @abstractmethod
     def __aiter__(self) -> AsyncIterator[Any]: ...
 
+    def ready(self) -> bool:
+        """Whether the next chunk (or the stream's end) is already here, so reading it will not wait. The relay
+        sends the chunks that arrived together in one write instead of one write each."""
+        return False
+
     @abstractmethod
     async def close(self) -> None: ...
 

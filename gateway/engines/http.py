@@ -94,6 +94,10 @@ class _SSEStream(EngineStream):
     def __init__(self, response: Response) -> None:
         self._response = response
         self._done = False
+        self._more = False  # another event of the last read is still to come
+
+    def ready(self) -> bool:
+        return self._more
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         response = self._response
@@ -105,14 +109,15 @@ class _SSEStream(EngineStream):
                     break
                 lines = (pending + data if pending else data).split(b"\n")
                 pending = lines.pop()
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
+                payloads = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+                last = len(payloads) - 1
+                for index, payload in enumerate(payloads):
                     if payload == b"[DONE]":
                         self._done = True
                         return
+                    self._more = index < last
                     yield _chunk(payload)
+                self._more = False
             if pending.startswith(b"data:"):
                 # The last line, with no newline after it, before the connection ended.
                 payload = pending[5:].strip()

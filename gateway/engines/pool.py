@@ -274,6 +274,9 @@ class _PooledStream(EngineStream):
         self._tried = {pool.replicas.index(self._replica)}
         self._closed = False
 
+    def ready(self) -> bool:
+        return self._stream.ready()
+
     async def __aiter__(self) -> AsyncIterator[Any]:
         relayed = False
         while True:

@@ -191,10 +191,10 @@ class ResponsesService:
         async def relay() -> AsyncIterator[bytes]:
             try:
                 yield b"".join(encode_event(e) for e in events.start())
-                async for chunk in chunks:
-                    fed = events.feed(chunk)
+                async for batch in chunks:
+                    fed = [event for chunk in batch for event in events.feed(chunk)]
                     if fed:
-                        yield b"".join(encode_event(e) for e in fed)
+                        yield b"".join([encode_event(e) for e in fed])
             except APIError as exc:
                 yield encode_event(events.fail(exc.message))
                 return

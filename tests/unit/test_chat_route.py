@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.chat import LastEvent
 from gateway.controllers.chat import ClientDisconnected, EventStream, read_body
 from gateway.errors import PayloadTooLarge
 
@@ -84,6 +85,27 @@ def test_a_stream_is_sent_whole_then_ended() -> None:
     assert (b"x-request-id", b"r1") in start["headers"]
     assert [m["body"] for m in body] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert [m["more_body"] for m in body] == [True, True, True, False]
+
+
+def test_a_streams_last_event_goes_out_with_the_end_of_the_body() -> None:
+    async def run() -> list[Message]:
+        async def events() -> AsyncGenerator[bytes, None]:
+            yield b"data: 0\n\ndata: 1\n\n"
+            yield LastEvent(b"data: [DONE]\n\n")
+
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await EventStream(events(), {})({}, receiving(), send)  # type: ignore[arg-type]
+        return sent
+
+    _, *body = asyncio.run(run())
+    assert [(m["body"], m["more_body"]) for m in body] == [
+        (b"data: 0\n\ndata: 1\n\n", True),
+        (b"data: [DONE]\n\n", False),
+    ]
 
 
 def test_a_client_that_leaves_mid_stream_stops_the_relay_and_closes_the_events() -> None:

@@ -351,6 +351,19 @@ def test_sse_lines_split_anywhere_decode_the_same() -> None:
     asyncio.run(main())
 
 
+def test_a_stream_says_whether_its_next_event_came_in_the_same_read() -> None:
+    """The relay writes the events of one read together: `ready` must be true exactly while another event (or
+    the end) of the last read is left, or the relay would hold an event back waiting for the engine."""
+    pieces = [sse({"n": 1}, {"n": 2}, {"n": 3}, done=False), b": keep-alive\n\n", sse({"n": 4}) + b"\n"]
+
+    async def main() -> list[tuple[Any, bool]]:
+        stream = _SSEStream(Pieces(pieces))  # type: ignore[arg-type]
+        return [(chunk, stream.ready()) async for chunk in stream]
+
+    seen = asyncio.run(main())
+    assert seen == [({"n": 1}, True), ({"n": 2}, True), ({"n": 3}, False), ({"n": 4}, True)]
+
+
 def test_a_stream_that_ends_early_is_a_disconnect(run: Run) -> None:
     async def main() -> None:
         async with Upstream(
