@@ -12,8 +12,9 @@ write. Until then the tail a call registers is provisional: a hit on it does not
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-import uuid
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,11 @@ _decode = msgspec.json.decode
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """A call's or an episode's id: 32 hex digits, the time in milliseconds (12) and then 80 random bits. Ids
+    made one after another sort together, so the database adds each row at the end of its primary-key index,
+    not at a random page of it. With random ids the capture writer spent about 40% more CPU per row on SQLite
+    (`tests/bench/bench_writer.py`; no difference on PostgreSQL at that size)."""
+    return f"{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
 
 
 def valid_id(value: str) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.capture.sink import CaptureSink
+from gateway.episodes import new_id
 from gateway.settings import async_database_url
 from migrations.runner import upgrade_database
 from storage.records import CallRecord
@@ -35,9 +36,9 @@ log = logging.getLogger("bench_writer")
 def make_record(n: int) -> CallRecord:
     tokens = 48
     return CallRecord(
-        id=uuid.uuid4().hex,
+        id=new_id(),
         client_request_id=None,
-        episode_id=uuid.uuid4().hex,
+        episode_id=new_id(),
         episode_resolved=True,
         stitch_keys=[uuid.uuid4().hex[:32]],
         policy="bench",
