@@ -101,6 +101,13 @@ class EventSource(Protocol):
     def output_seen(self) -> bool: ...
 
 
+class LastBatch(list[Any]):
+    """The chunks that end a stream, given once the call is recorded: the relay sends them with the stream's
+    final event."""
+
+    __slots__ = ()
+
+
 async def event_chunks(
     engine_stream: EngineStream,
     assembler: EventSource,
@@ -108,12 +115,13 @@ async def event_chunks(
     finish: Callable[[str, APIError | None, float | None], None],
 ) -> AsyncGenerator[list[Any], None]:
     """The conformant chunks of an engine stream, in lists of those that arrived together (one write each for
-    the relay, instead of one per chunk; nothing is held back waiting for the engine). `finish(status, error,
-    time to first output)` runs when they end: before the iteration stops, before an engine failure is raised to
-    the consumer as `APIError`, and when the consumer closes the generator early (a client disconnect, where the
-    partial reply counts)."""
+    the relay, instead of one per chunk; nothing is held back waiting for the engine), the last a `LastBatch`
+    (maybe empty). `finish(status, error, time to first output)` runs when they end: before the last batch is
+    given, before an engine failure is raised to the consumer as `APIError`, and when the consumer closes the
+    generator early (a client disconnect, where the partial reply counts)."""
     status, error, ttft = "client_disconnected", None, None
     batch: list[Any] = []
+    finished = False
     try:
         async for raw in engine_stream:
             chunk = assembler.feed(raw)
@@ -124,15 +132,16 @@ async def event_chunks(
             if batch and not engine_stream.ready():
                 yield batch
                 batch = []
-        if batch:
-            yield batch
-        status = "ok"
+        finished = True
+        finish("ok", None, ttft)
+        yield LastBatch(batch)
     except APIError as exc:
         status, error = "error", exc
         raise
     finally:
         await engine_stream.close()
-        finish(status, error, ttft)
+        if not finished:
+            finish(status, error, ttft)
 
 
 class LastEvent(bytes):
@@ -141,7 +150,7 @@ class LastEvent(bytes):
     __slots__ = ()
 
 
-_DONE = LastEvent(b"data: [DONE]\n\n")
+_DONE = b"data: [DONE]\n\n"
 
 
 async def sse(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[bytes, None]:
@@ -149,13 +158,15 @@ async def sse(chunks: AsyncGenerator[list[Any], None]) -> AsyncGenerator[bytes, 
     error in OpenAI's shape) goes out, so a client that saw the end of its stream has a logged call."""
     try:
         async for batch in chunks:
-            yield b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in batch])
+            events = b"".join([b"data: " + _encode(chunk) + b"\n\n" for chunk in batch])
+            if type(batch) is LastBatch:
+                yield LastEvent(events + _DONE)
+                return
+            yield events
     except APIError as exc:
         yield LastEvent(b"data: " + _encode(exc.body()) + b"\n\n")
-        return
     finally:
         await chunks.aclose()
-    yield _DONE
 
 
 def relay_events(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Principal
-from gateway.chat import CallContext, ChatService
+from gateway.chat import CallContext, ChatService, LastBatch
 from gateway.errors import APIError, InvalidRequest
 from gateway.normalize import Captured
 from gateway.responses.output import (
@@ -193,14 +193,15 @@ class ResponsesService:
                 yield b"".join(encode_event(e) for e in events.start())
                 async for batch in chunks:
                     fed = [event for chunk in batch for event in events.feed(chunk)]
+                    if type(batch) is LastBatch:  # the call is recorded: the closing events go with these
+                        closing, _ = events.finish()
+                        yield b"".join([encode_event(e) for e in [*fed, *closing]])
+                        return
                     if fed:
                         yield b"".join([encode_event(e) for e in fed])
             except APIError as exc:
                 yield encode_event(events.fail(exc.message))
-                return
             finally:
                 await chunks.aclose()  # on a client disconnect, records the partial reply
-            closing, _ = events.finish()
-            yield b"".join(encode_event(e) for e in closing)
 
         return relay()
