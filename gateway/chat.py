@@ -500,10 +500,11 @@ class ChatService:
 
     async def stream_chunks(self, ctx: CallContext) -> AsyncGenerator[list[ChatCompletionChunk], None]:
         """Open the engine stream (errors raise here) and return its conformant chunks, in lists of those that
-        arrived together.
+        arrived together (`event_chunks`).
 
-        The call is recorded when the chunks end: before the iteration stops, before an engine failure is
-        raised to the consumer as `APIError`, and when the consumer closes it early (a client disconnect)."""
+        The call is recorded when the chunks end: before the last list (a `LastBatch`) is given, before an engine
+        failure is raised to the consumer as `APIError`, and when the consumer closes it early (a client
+        disconnect)."""
         await self._acquire(ctx)
         try:
             engine_stream = await self.engine.open_stream(self._engine_body(ctx))
