@@ -253,6 +253,25 @@ def test_a_scorer_calls_the_policys_judge_over_one_client_until_it_is_closed(jud
     assert connections_to(judge.port) == []
 
 
+def test_a_scorer_calls_the_policys_webhook_over_one_client_until_it_is_closed(judge: ScriptedJudge) -> None:
+    # As for the judge: one pinned client for every group a scorer sends, its connection kept between them.
+    config = load_policy_config({"rewards": {"scorer": {"webhook_url": hook_url(judge)}}}).rewards
+    settings = JudgeSettings(model="judge-model", max_retries=0, private_networks=True)
+
+    async def scenario() -> tuple[list[list[int]], list[GroupScore]]:
+        seen, results = [], []
+        async with Scorer(config, settings, webhook_secret="s") as scorer:
+            for _ in range(3):
+                results.append(await scorer.score(trajectories()))
+                seen.append(connections_to(judge.port))
+        return seen, results
+
+    seen, results = asyncio.run(scenario())
+    assert [r.error for r in results] == [None, None, None] and len(judge.webhook_calls) == 6
+    assert len(seen[0]) == 1 and seen == [seen[0]] * 3
+    assert connections_to(judge.port) == []
+
+
 def test_the_operator_judge_setting_may_be_on_loopback(judge: ScriptedJudge) -> None:
     # KAIZEN_JUDGE_API_BASE is the operator's own configuration, like the engine's URL: never refused.
     config = load_policy_config({}).rewards

@@ -103,8 +103,9 @@ def load_function(path: str) -> Callable[..., Any]:
 class Scorer:
     """Scores groups of trajectories with the policy's configured method.
 
-    A judge at a URL the policy names is called through one client for the scorer's lifetime: use it as
-    `async with Scorer(...) as scorer:`, or call `aclose` when done. `complete` replaces litellm (tests)."""
+    A judge at a URL the policy names, and a scoring webhook, are each called through one client for the scorer's
+    lifetime (connections kept from group to group): use it as `async with Scorer(...) as scorer:`, or call
+    `aclose` when done. `complete` replaces litellm (tests)."""
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class Scorer:
         self._warned_unsigned = False
         # No client until the first call (the OpenAI client comes with litellm).
         self._policy_judge = PolicyJudge(self.judge) if self.judge.policy_api_base else None
+        self._webhook_client: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> Scorer:
         return self
@@ -135,9 +137,12 @@ class Scorer:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the client of the policy's judge, if one was opened."""
+        """Close the clients of the policy's judge and of its webhook, if they were opened."""
         if self._policy_judge is not None:
             await self._policy_judge.aclose()
+        if self._webhook_client is not None:
+            client, self._webhook_client = self._webhook_client, None
+            await client.aclose()
 
     async def _litellm(
         self, messages: list[dict[str, Any]], fmt: dict[str, Any], settings: JudgeSettings
@@ -232,14 +237,16 @@ class Scorer:
                 "requests from anyone else's",
                 url,
             )
+        if self._webhook_client is None:
+            self._webhook_client = policy_client(
+                private_networks=self.judge.private_networks, timeout=scorer.webhook_timeout_s
+            )
         scores = []
-        client = policy_client(private_networks=self.judge.private_networks, timeout=scorer.webhook_timeout_s)
-        async with client:
-            for trajectory in trajectories:
-                body = msgspec.json.encode({"trajectory": trajectory.as_dict()})
-                answer = await self._post(client, url, body, scorer.webhook_retries)
-                value, explanation = _read_score(answer)
-                scores.append(Score(trajectory.episode_id, value, explanation))
+        for trajectory in trajectories:
+            body = msgspec.json.encode({"trajectory": trajectory.as_dict()})
+            answer = await self._post(self._webhook_client, url, body, scorer.webhook_retries)
+            value, explanation = _read_score(answer)
+            scores.append(Score(trajectory.episode_id, value, explanation))
         return scores
 
     async def _post(self, client: httpx.AsyncClient, url: str, body: bytes, retries: int) -> Any:
