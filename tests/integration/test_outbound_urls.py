@@ -233,29 +233,18 @@ def test_a_judge_the_policy_names_is_called_through_the_pinned_client(
     assert len(judge.requests) == 2 and elsewhere.requests == []
 
 
-def test_a_scorer_calls_the_policys_judge_over_one_client_until_it_is_closed(judge: ScriptedJudge) -> None:
-    # Every group a scorer judges goes through one pinned client (its connection is kept), each request still
-    # checked where it connects; closing the scorer closes it.
-    config = load_policy_config({"rewards": {"judge": {"api_base": judge.url}}}).rewards
-    settings = JudgeSettings(model="judge-model", max_retries=0, private_networks=True)
-
-    async def scenario() -> tuple[list[list[int]], list[GroupScore]]:
-        seen, results = [], []
-        async with Scorer(config, settings) as scorer:
-            for _ in range(3):
-                results.append(await scorer.score(trajectories()))
-                seen.append(connections_to(judge.port))
-        return seen, results
-
-    seen, results = asyncio.run(scenario())
-    assert [r.error for r in results] == [None, None, None] and len(judge.requests) == 3
-    assert len(seen[0]) == 1 and seen == [seen[0]] * 3
-    assert connections_to(judge.port) == []
-
-
-def test_a_scorer_calls_the_policys_webhook_over_one_client_until_it_is_closed(judge: ScriptedJudge) -> None:
-    # As for the judge: one pinned client for every group a scorer sends, its connection kept between them.
-    config = load_policy_config({"rewards": {"scorer": {"webhook_url": hook_url(judge)}}}).rewards
+@pytest.mark.parametrize("target", ["judge", "webhook"])
+def test_a_scorer_calls_the_policys_url_over_one_client_until_it_is_closed(
+    judge: ScriptedJudge, target: str
+) -> None:
+    # Every group a scorer sends to the policy's judge or webhook goes through one pinned client (its connection
+    # is kept), each request still checked where it connects; closing the scorer closes it.
+    rewards = (
+        {"judge": {"api_base": judge.url}}
+        if target == "judge"
+        else {"scorer": {"webhook_url": hook_url(judge)}}
+    )
+    config = load_policy_config({"rewards": rewards}).rewards
     settings = JudgeSettings(model="judge-model", max_retries=0, private_networks=True)
 
     async def scenario() -> tuple[list[list[int]], list[GroupScore]]:
@@ -267,7 +256,9 @@ def test_a_scorer_calls_the_policys_webhook_over_one_client_until_it_is_closed(j
         return seen, results
 
     seen, results = asyncio.run(scenario())
-    assert [r.error for r in results] == [None, None, None] and len(judge.webhook_calls) == 6
+    assert [r.error for r in results] == [None, None, None]
+    # A judge gets one request per group, a webhook one per trajectory (two in each group).
+    assert (len(judge.requests), len(judge.webhook_calls)) == ((3, 0) if target == "judge" else (0, 6))
     assert len(seen[0]) == 1 and seen == [seen[0]] * 3
     assert connections_to(judge.port) == []
 
