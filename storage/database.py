@@ -42,7 +42,11 @@ class Database:
         self.is_sqlite = url.startswith("sqlite")
         # msgspec encodes and decodes the JSON columns several times faster than the stdlib json module.
         kwargs: dict[str, Any] = {
-            "pool_pre_ping": True,
+            # A server may have dropped a pooled connection (a restart, an idle timeout): a checkout pings it
+            # first. A SQLite connection is a file handle, which nothing drops; its ping was one more round trip
+            # through the driver's thread for every session, so every capture batch (about 140 us of CPU each,
+            # docs/performance.md).
+            "pool_pre_ping": not self.is_sqlite,
             "json_serializer": _json_dumps,
             "json_deserializer": msgspec.json.decode,
             "use_insertmanyvalues": False,
