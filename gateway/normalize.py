@@ -8,7 +8,7 @@ adds its own fields), so output is rebuilt field by field from `gateway.protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
 from gateway.errors import EngineBadResponse
 from gateway.protocol import (
@@ -232,7 +232,12 @@ class _ChoiceState:
     logprobs: list[float] = field(default_factory=list)
 
 
-ChoiceState = TypeVar("ChoiceState")
+class _TokenState(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+ChoiceState = TypeVar("ChoiceState", bound=_TokenState)
 
 
 class _ChunkReader(Generic[ChoiceState]):
@@ -259,6 +264,20 @@ class _ChunkReader(Generic[ChoiceState]):
         if usage is not None:
             self.usage = usage
         return raw, usage
+
+    def _captured(self, stored: list[dict[str, Any]]) -> Captured:
+        """The reply for capture: `stored`, each choice's assembled part in index order, with the sampled token
+        ids and logprobs of every choice (None where the engine sent none)."""
+        states = [self.choices[i] for i in sorted(self.choices)]
+        token_ids = [s.token_ids or None for s in states]
+        logprobs = [s.logprobs or None for s in states]
+        return Captured(
+            response={"choices": stored},
+            prompt_token_ids=self.prompt_token_ids,
+            completion_token_ids=token_ids if any(token_ids) else None,
+            completion_logprobs=logprobs if any(logprobs) else None,
+            usage=_usage_dict(self.usage),
+        )
 
 
 class StreamAssembler(_ChunkReader[_ChoiceState]):
@@ -368,16 +387,7 @@ class StreamAssembler(_ChunkReader[_ChoiceState]):
                     for _, c in sorted(state.tool_calls.items())
                 ]
             stored.append({"index": index, "message": message, "finish_reason": state.finish_reason})
-        states = [self.choices[i] for i in sorted(self.choices)]
-        token_ids = [s.token_ids or None for s in states]
-        logprobs = [s.logprobs or None for s in states]
-        return Captured(
-            response={"choices": stored},
-            prompt_token_ids=self.prompt_token_ids,
-            completion_token_ids=token_ids if any(token_ids) else None,
-            completion_logprobs=logprobs if any(logprobs) else None,
-            usage=_usage_dict(self.usage),
-        )
+        return self._captured(stored)
 
 
 # ----------------------------------------------------------------------------- text completions and embeddings
@@ -508,23 +518,15 @@ class TextStreamAssembler(_ChunkReader[_TextState]):
         return any("".join(s.text) for s in self.choices.values())
 
     def captured(self) -> Captured:
-        states = [self.choices[i] for i in sorted(self.choices)]
-        stored = [
-            {
-                "index": i,
-                "text": "".join(self.choices[i].text),
-                "finish_reason": self.choices[i].finish_reason,
-            }
-            for i in sorted(self.choices)
-        ]
-        token_ids = [s.token_ids or None for s in states]
-        logprobs = [s.logprobs or None for s in states]
-        return Captured(
-            response={"choices": stored},
-            prompt_token_ids=self.prompt_token_ids,
-            completion_token_ids=token_ids if any(token_ids) else None,
-            completion_logprobs=logprobs if any(logprobs) else None,
-            usage=_usage_dict(self.usage),
+        return self._captured(
+            [
+                {
+                    "index": i,
+                    "text": "".join(self.choices[i].text),
+                    "finish_reason": self.choices[i].finish_reason,
+                }
+                for i in sorted(self.choices)
+            ]
         )
 
 
