@@ -203,6 +203,36 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     assert asyncio.run(fetch_rows(url, "SELECT version FROM adapters")) == []  # no candidate
 
 
+@pytest.mark.slow
+def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, embedded_model: Path) -> None:
+    """Linux sends a training child its parent-death SIGTERM once for each thread of the dying parent, so a child
+    can get several at once. The first stops the run; the others must not cut short its recording (the run would
+    stay `running` and the lock held until a later job finds it abandoned)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+    long_run = {**TRAIN, "epochs": 10_000}
+    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
+    data = tmp_path / "data"
+    env = {
+        **_env(),
+        "KAIZEN_DATABASE_URL": url,
+        "KAIZEN_DATA_DIR": str(data),
+        "KAIZEN_TRAIN_SAMPLER": "local",
+    }
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "trainer.learner"],
+        env,
+        signal.SIGTERM,
+        tmp_path / "command.log",
+        stdin=job(url, data, embedded_model),
+        times=3,
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-4000:]
+    assert "Traceback" not in stopped.output, stopped.output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", "interrupted")
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+
+
 @pytest.mark.parametrize(
     "stdin", [b"", b"{not json\n", b'{"policy": "p"}\n'], ids=["none", "malformed", "partial"]
 )

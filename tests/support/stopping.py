@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,12 @@ def stop_mid_run(
     sigint_ignored: bool = False,
     start_timeout_s: float = 240,
     stdin: bytes | None = None,
+    times: int = 1,
 ) -> Stopped:
     """Start `argv` in a session of its own (its output to `log_path`, `stdin` on its input), wait for its first
-    optimizer step in `steps_log` (default: its own output), send it `signum`, and wait for it and for every
-    process that shares its `KAIZEN_DATA_DIR` to exit; whatever is left is killed and fails the test."""
+    optimizer step in `steps_log` (default: its own output), send it `signum` (`times` times, 50 ms apart), and
+    wait for it and for every process that shares its `KAIZEN_DATA_DIR` to exit; whatever is left is killed and
+    fails the test."""
     steps = steps_log or log_path
     marker = f"KAIZEN_DATA_DIR={env['KAIZEN_DATA_DIR']}"
     with log_path.open("wb") as log:
@@ -72,7 +75,10 @@ def stop_mid_run(
             timeout_s=start_timeout_s,
         )
         assert process.poll() is None, log_path.read_text()[-4000:]
-        process.send_signal(signum)
+        for sent in range(times):
+            if sent:
+                time.sleep(0.05)  # apart, so that the signals are not merged into one while pending
+            process.send_signal(signum)
         process.wait(timeout=180)
         wait_until(lambda: not processes_with(marker), "every process it started to exit", timeout_s=60)
     finally:

@@ -19,7 +19,12 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 class SigtermAsCtrlC:
     """While entered, SIGTERM is raised again as SIGINT; `signal` is the one that came (SIGINT until SIGTERM
-    does)."""
+    does).
+
+    Only the first SIGTERM counts, and once one came the ones after it are ignored to the end of the process:
+    Linux sends a child its parent-death SIGTERM once for each thread of the dying parent, and a second SIGINT
+    would cut short the cleanup the first started (asyncio raises it at once), or the default action would end
+    the process in the middle of it. A supervisor that insists sends SIGKILL."""
 
     def __init__(self) -> None:
         self.signal = signal.SIGINT
@@ -32,9 +37,11 @@ class SigtermAsCtrlC:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if self.signal == signal.SIGTERM else self._previous)
 
     def _terminate(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal == signal.SIGTERM:
+            return  # already stopping on one
         self.signal = signal.SIGTERM
         if not callable(signal.getsignal(signal.SIGINT)):
             # SIGINT ignored (a shell script's background job) or left to the system: stop all the same.
