@@ -233,6 +233,37 @@ def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, embedded_model: Pat
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
+@pytest.mark.slow
+def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """A SIGKILL to the process whose scheduler started a training child (here `kaizen worker --once`, as a
+    gateway's does) reaches the child as Linux's parent-death SIGTERM. The run is recorded failed as
+    interrupted because that process died, naming it, not as if someone had stopped the run."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+    long_run = {**TRAIN, "epochs": 10_000}
+    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
+    data = tmp_path / "data"
+    env = {
+        **_env(),
+        "KAIZEN_DATABASE_URL": url,
+        "KAIZEN_DATA_DIR": str(data),
+        "KAIZEN_TRAIN_SAMPLER": "local",
+    }
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "gateway", "worker", "--once", "train", "--policy", POLICY],
+        env,
+        signal.SIGKILL,
+        tmp_path / "command.log",
+        steps_log=data / "logs" / f"train-{POLICY}.log",
+    )
+    assert stopped.returncode == -signal.SIGKILL
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert run["status"] == "failed"
+    assert run["error"].startswith("interrupted: the process that started it (pid "), run["error"]
+    assert run["error"].endswith("died")
+
+
 @pytest.mark.parametrize(
     "stdin", [b"", b"{not json\n", b'{"policy": "p"}\n'], ids=["none", "malformed", "partial"]
 )

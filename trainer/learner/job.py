@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -152,8 +153,38 @@ def _check_scorer(
     return score
 
 
+async def interrupted_reason(parent: int, wait_s: float = 0.5) -> str:
+    """What a run stopped by a signal records. When its parent (pid `parent` at the start) is dying or gone, the
+    signal was the parent-death SIGTERM (`trainer.control.child_processes`): saying so sends the operator to the
+    gateway that died, not looking for someone who stopped the run.
+
+    Linux sends that signal when the thread that started the child exits, which under a SIGKILL can be a moment
+    before the rest of the parent has: until then the child's parent id is unchanged. So a parent that looks alive
+    is watched for `wait_s` before the run counts as stopped by someone."""
+    deadline = time.monotonic() + wait_s
+    while not _dying(parent):
+        if time.monotonic() >= deadline:
+            return "interrupted"
+        await asyncio.sleep(0.01)
+    return f"interrupted: the process that started it (pid {parent}: a gateway, or `kaizen train`) died"
+
+
+def _dying(parent: int) -> bool:
+    """Whether this process's parent `parent` has exited, or its main thread has (a zombie until the rest do)."""
+    if os.getppid() != parent:
+        return True
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state, after the command name's parenthesis
+
+
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     """Train the policy once; raises `TrainingBusy` if another job holds the policy's lock."""
+    parent = os.getppid()
     async with db.session() as session:
         policy = await get_policy(session, request.policy)
     if policy is None:
@@ -200,7 +231,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             except BaseException as exc:
                 stop.set()  # a worker thread still in the update loop stops at its next micro-batch
                 reason = (
-                    "interrupted"
+                    await interrupted_reason(parent)
                     if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
                     else repr(exc)
                 )
