@@ -133,6 +133,22 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 
+def _long_run(tmp_path: Path, embedded_model: Path) -> tuple[str, Path, dict[str, str]]:
+    """A policy whose training runs far longer than a test waits: (database URL, data directory, environment of
+    the command that trains it)."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+    long_run = {**TRAIN, "epochs": 10_000}
+    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
+    data = tmp_path / "data"
+    env = {
+        **_env(),
+        "KAIZEN_DATABASE_URL": url,
+        "KAIZEN_DATA_DIR": str(data),
+        "KAIZEN_TRAIN_SAMPLER": "local",
+    }
+    return url, data, env
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("command", "signum", "sigint_ignored", "error"),
@@ -169,18 +185,9 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     time-to-live), no trainer is left running, and the command exits with 128 + the signal's number and no
     traceback. SIGTERM works the same where SIGINT is ignored, and through `kaizen worker --once`, whose
     training runs in a child process."""
-    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    long_run = {**TRAIN, "epochs": 10_000}  # far longer than the test waits
-    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
-    data = tmp_path / "data"
+    url, data, env = _long_run(tmp_path, embedded_model)
     learner = command == ["-m", "trainer.learner"]
     flags = [] if learner else ["--policy", POLICY]
-    env = {
-        **_env(),
-        "KAIZEN_DATABASE_URL": url,
-        "KAIZEN_DATA_DIR": str(data),
-        "KAIZEN_TRAIN_SAMPLER": "local",
-    }
     stopped = stop_mid_run(
         [sys.executable, *command, *flags],
         env,
@@ -208,16 +215,7 @@ def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, embedded_model: Pat
     """Linux sends a training child its parent-death SIGTERM once for each thread of the dying parent, so a child
     can get several at once. The first stops the run; the others must not cut short its recording (the run would
     stay `running` and the lock held until a later job finds it abandoned)."""
-    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    long_run = {**TRAIN, "epochs": 10_000}
-    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
-    data = tmp_path / "data"
-    env = {
-        **_env(),
-        "KAIZEN_DATABASE_URL": url,
-        "KAIZEN_DATA_DIR": str(data),
-        "KAIZEN_TRAIN_SAMPLER": "local",
-    }
+    url, data, env = _long_run(tmp_path, embedded_model)
     stopped = stop_mid_run(
         [sys.executable, "-m", "trainer.learner"],
         env,
@@ -240,16 +238,7 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
     """A SIGKILL to the process whose scheduler started a training child (here `kaizen worker --once`, as a
     gateway's does) reaches the child as Linux's parent-death SIGTERM. The run is recorded failed as
     interrupted because that process died, naming it, not as if someone had stopped the run."""
-    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    long_run = {**TRAIN, "epochs": 10_000}
-    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
-    data = tmp_path / "data"
-    env = {
-        **_env(),
-        "KAIZEN_DATABASE_URL": url,
-        "KAIZEN_DATA_DIR": str(data),
-        "KAIZEN_TRAIN_SAMPLER": "local",
-    }
+    url, data, env = _long_run(tmp_path, embedded_model)
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "worker", "--once", "train", "--policy", POLICY],
         env,
