@@ -45,6 +45,20 @@ def dying_with_parent(command: Sequence[str]) -> list[str]:
     return [command[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
 
 
+def parent_dying(parent: int) -> bool:
+    """In a child started by `dying_with_parent`: whether its parent `parent` has exited, or the parent's main
+    thread has (a zombie until the other threads follow), which is when the SIGTERM comes."""
+    if os.getppid() != parent:
+        return True
+    try:
+        stat = Path(f"/proc/{parent}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state, after the command name's parenthesis
+
+
 def signal_group(pgid: int, signum: int) -> None:
     """Signal a child started with `start_new_session=True` and every process it started, if any is left."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

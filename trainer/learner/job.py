@@ -33,6 +33,7 @@ from storage.training import (
     rewarded_episodes,
     start_run,
 )
+from trainer.control.child_processes import parent_dying
 from trainer.control.gate import is_held_out
 from trainer.control.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.control.rollouts import hermes_message
@@ -162,24 +163,11 @@ async def interrupted_reason(parent: int, wait_s: float = 0.5) -> str:
     before the rest of the parent has: until then the child's parent id is unchanged. So a parent that looks alive
     is watched for `wait_s` before the run counts as stopped by someone."""
     deadline = time.monotonic() + wait_s
-    while not _dying(parent):
+    while not parent_dying(parent):
         if time.monotonic() >= deadline:
             return "interrupted"
         await asyncio.sleep(0.01)
     return f"interrupted: the process that started it (pid {parent}: a gateway, or `kaizen train`) died"
-
-
-def _dying(parent: int) -> bool:
-    """Whether this process's parent `parent` has exited, or its main thread has (a zombie until the rest do)."""
-    if os.getppid() != parent:
-        return True
-    try:
-        stat = Path(f"/proc/{parent}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state, after the command name's parenthesis
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
