@@ -58,7 +58,9 @@ def launch(tmp_path: Path, *worker_args: str) -> subprocess.Popen[str]:
     )
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["sigterm", "ctrl-c", "parent-death-signal"]
+)
 def test_a_signal_stops_every_process_and_ends_in_a_log_line(tmp_path: Path, signum: signal.Signals) -> None:
     launcher = launch(tmp_path)
     try:

@@ -16,19 +16,23 @@ from pathlib import Path
 #: The directory that holds the `gateway`, `trainer` and `storage` packages in use.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
-#: Runs first in the child's interpreter: ask Linux for SIGTERM when the parent dies, even by SIGKILL (the request
-#: survives the exec), stop if the parent is already gone, then exec the child's command unchanged. Source, not
-#: a module: vLLM's interpreter cannot import ours.
+#: Runs first in the child's interpreter: ask Linux for a signal (argv[2]) when the parent dies, even by SIGKILL
+#: (the request survives the exec), stop if the parent is already gone, then exec the child's command unchanged.
+#: Source, not a module: vLLM's interpreter cannot import ours.
 _DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
+import ctypes, os, sys
 try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
 except (AttributeError, OSError):
     pass
 if os.getppid() != int(sys.argv[1]):
     sys.exit(1)
-os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
 """
+
+#: A training child's parent-death signal: one that nothing else sends it (it runs in a session of its own, with
+#: no terminal to hang up), so the child knows why it stops and its run says so.
+PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 def own_modules_environment() -> dict[str, str]:
@@ -38,25 +42,11 @@ def own_modules_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
 
 
-def dying_with_parent(command: Sequence[str]) -> list[str]:
-    """`command` (a Python interpreter and its arguments) started so that it gets SIGTERM when this process dies
+def dying_with_parent(command: Sequence[str], signum: signal.Signals = signal.SIGTERM) -> list[str]:
+    """`command` (a Python interpreter and its arguments) started so that it gets `signum` when this process dies
     (Linux; elsewhere it runs unchanged): for children that would otherwise outlive a SIGKILLed parent. Spawn it
     from the thread that lives as long as it should (the event loop's): Linux ties the signal to that thread."""
-    return [command[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *command[1:]]
-
-
-def parent_dying(parent: int) -> bool:
-    """In a child started by `dying_with_parent`: whether its parent `parent` has exited, or the parent's main
-    thread has (a zombie until the other threads follow), which is when the SIGTERM comes."""
-    if os.getppid() != parent:
-        return True
-    try:
-        stat = Path(f"/proc/{parent}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # the state, after the command name's parenthesis
+    return [command[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), str(int(signum)), *command[1:]]
 
 
 def signal_group(pgid: int, signum: int) -> None:

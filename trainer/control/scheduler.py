@@ -50,7 +50,7 @@ from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.rollouts import RolloutInfo, end_rollout, running_rollout, start_rollout
 from storage.training import fail_abandoned_runs, last_data_cutoff
 from trainer.control.canary import ACTOR, watch
-from trainer.control.child_processes import dying_with_parent, stop_group
+from trainer.control.child_processes import PARENT_DEATH_SIGNAL, dying_with_parent, stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
 from trainer.control.judge_job import judge_policy
 from trainer.control.policy_config import InvalidPolicyConfig, ScheduleConfig, load_policy_config, parse_cron
@@ -429,11 +429,11 @@ class JobRunner:
             return None, collections.deque([f"{exc}\n"]), None
         argv = list(self.config.train_command)
         logger.info("training %s in a child process: %s", policy.name, " ".join(argv))
-        # A group of its own (stopping it reaches torchrun's ranks too), yet SIGTERMed when this process dies, even
+        # A group of its own (stopping it reaches torchrun's ranks too), yet signalled when this process dies, even
         # by SIGKILL: an orphan would go on training under the lock it inherited, and no run could start until
-        # it ended.
+        # it ended. The signal is one of its own, so its run records that its parent died.
         process = await asyncio.create_subprocess_exec(
-            *dying_with_parent(argv),
+            *dying_with_parent(argv, PARENT_DEATH_SIGNAL),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,

@@ -18,31 +18,36 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class SigtermAsCtrlC:
-    """While entered, SIGTERM is raised again as SIGINT; `signal` is the one that came (SIGINT until SIGTERM
-    does).
+    """While entered, SIGTERM (and each signal of `also`) is raised again as SIGINT; `signal` is the one that came
+    (SIGINT until another does). A training child takes its parent-death signal this way too
+    (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`), so its run records why it stopped.
 
-    Only the first SIGTERM counts, and once one came the ones after it are ignored to the end of the process:
-    Linux sends a child its parent-death SIGTERM once for each thread of the dying parent, and a second SIGINT
+    Only the first of them counts, and once one came the ones after it are ignored to the end of the process:
+    Linux sends a child its parent-death signal once for each thread of the dying parent, and a second SIGINT
     would cut short the cleanup the first started (asyncio raises it at once), or the default action would end
     the process in the middle of it. A supervisor that insists sends SIGKILL."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: tuple[signal.Signals, ...] = ()) -> None:
         self.signal = signal.SIGINT
-        self._previous: Handler = signal.SIG_DFL
+        self._handled = (signal.SIGTERM, *also)
+        self._previous: dict[signal.Signals, Handler] = {}
 
     def __enter__(self) -> SigtermAsCtrlC:
-        self._previous = signal.signal(signal.SIGTERM, self._terminate)
+        for signum in self._handled:
+            self._previous[signum] = signal.signal(signum, self._terminate)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN if self.signal == signal.SIGTERM else self._previous)
+        stopping = self.signal != signal.SIGINT
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_IGN if stopping else previous)
 
     def _terminate(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal == signal.SIGTERM:
+        if self.signal != signal.SIGINT:
             return  # already stopping on one
-        self.signal = signal.SIGTERM
+        self.signal = signal.Signals(signum)
         if not callable(signal.getsignal(signal.SIGINT)):
             # SIGINT ignored (a shell script's background job) or left to the system: stop all the same.
             raise KeyboardInterrupt

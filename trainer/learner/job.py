@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -33,10 +32,11 @@ from storage.training import (
     rewarded_episodes,
     start_run,
 )
-from trainer.control.child_processes import parent_dying
+from trainer.control.child_processes import PARENT_DEATH_SIGNAL
 from trainer.control.gate import is_held_out
 from trainer.control.policy_config import PolicyConfig, TrainConfig, load_policy_config
 from trainer.control.rollouts import hermes_message
+from trainer.control.signals import SigtermAsCtrlC
 from trainer.control.tools import ToolBox
 from trainer.learner.dataset import DataReport, TrainingExample, build_example, select_episodes
 from trainer.learner.engine_sampling import EngineEndpoint
@@ -87,6 +87,8 @@ class TrainRequest:
     followers: Followers | None = None
     #: Train under this owner's job lock (the scheduler's job holds it); None: take the policy's lock.
     lock_owner: str | None = None
+    #: The command's signal handling, which says what stopped the run (None: not known).
+    interrupt: SigtermAsCtrlC | None = None
 
 
 @dataclass
@@ -154,25 +156,17 @@ def _check_scorer(
     return score
 
 
-async def interrupted_reason(parent: int, wait_s: float = 0.5) -> str:
-    """What a run stopped by a signal records. When its parent (pid `parent` at the start) is dying or gone, the
-    signal was the parent-death SIGTERM (`trainer.control.child_processes`): saying so sends the operator to the
-    gateway that died, not looking for someone who stopped the run.
-
-    Linux sends that signal when the thread that started the child exits, which under a SIGKILL can be a moment
-    before the rest of the parent has: until then the child's parent id is unchanged. So a parent that looks alive
-    is watched for `wait_s` before the run counts as stopped by someone."""
-    deadline = time.monotonic() + wait_s
-    while not parent_dying(parent):
-        if time.monotonic() >= deadline:
-            return "interrupted"
-        await asyncio.sleep(0.01)
-    return f"interrupted: the process that started it (pid {parent}: a gateway, or `kaizen train`) died"
+def interrupted_reason(interrupt: SigtermAsCtrlC | None) -> str:
+    """What a run stopped by a signal records. A training child's parent-death signal
+    (`trainer.control.child_processes`) says its gateway died: saying so sends the operator to that gateway, not
+    looking for someone who stopped the run."""
+    if interrupt is not None and interrupt.signal == PARENT_DEATH_SIGNAL:
+        return f"interrupted: the gateway or worker that started it died ({PARENT_DEATH_SIGNAL.name})"
+    return "interrupted"
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     """Train the policy once; raises `TrainingBusy` if another job holds the policy's lock."""
-    parent = os.getppid()
     async with db.session() as session:
         policy = await get_policy(session, request.policy)
     if policy is None:
@@ -219,7 +213,7 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             except BaseException as exc:
                 stop.set()  # a worker thread still in the update loop stops at its next micro-batch
                 reason = (
-                    await interrupted_reason(parent)
+                    interrupted_reason(request.interrupt)
                     if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
                     else repr(exc)
                 )

@@ -20,6 +20,7 @@ import msgspec
 from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import get_policy
+from trainer.control.child_processes import PARENT_DEATH_SIGNAL
 from trainer.control.launch import ranks_from_environment
 from trainer.control.rewards import policy_reward_config
 from trainer.control.scoring import Scorer
@@ -37,8 +38,11 @@ log = logging.getLogger(__name__)
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-async def train_policy(job: TrainingJob, followers: Followers | None = None) -> TrainOutcome:
-    """Run one training run. `followers`: this is rank 0 of several training processes (torchrun)."""
+async def train_policy(
+    job: TrainingJob, interrupt: SigtermAsCtrlC | None = None, followers: Followers | None = None
+) -> TrainOutcome:
+    """Run one training run. `interrupt`: the command's signal handling, which says what stopped it; `followers`:
+    this is rank 0 of several training processes (torchrun)."""
     await upgrade_database(job.database_url)
     database = Database(job.database_url)
     try:
@@ -62,6 +66,7 @@ async def train_policy(job: TrainingJob, followers: Followers | None = None) -> 
             device=job.device,
             followers=followers,
             lock_owner=job.lock_owner,
+            interrupt=interrupt,
         )
         async with scorer:
             outcome = await run_training(database, request)
@@ -92,18 +97,18 @@ def main() -> int:
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
     configure_logging(job.log_level)
-    with SigtermAsCtrlC() as interrupt:
+    with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,)) as interrupt:
         try:
-            return _train(job)
+            return _train(job, interrupt)
         except KeyboardInterrupt:
             log.error("training stopped by %s", interrupt.signal.name)
             return interrupt.exit_status
 
 
-def _train(job: TrainingJob) -> int:
+def _train(job: TrainingJob, interrupt: SigtermAsCtrlC) -> int:
     ranks = ranks_from_environment()
     if ranks is None:
-        outcome = asyncio.run(train_policy(job))
+        outcome = asyncio.run(train_policy(job, interrupt))
         return 0 if outcome.status == "succeeded" else NO_CANDIDATE
     # Rank 0 of several processes started by torchrun (see trainer/learner/distributed.py).
     from trainer.learner.distributed import Followers, start, stop
@@ -112,7 +117,7 @@ def _train(job: TrainingJob) -> int:
     try:
         followers = Followers(ranks)
         try:
-            outcome = asyncio.run(train_policy(job, followers))
+            outcome = asyncio.run(train_policy(job, interrupt, followers))
         finally:
             followers.release()
         return 0 if outcome.status == "succeeded" else NO_CANDIDATE
@@ -127,7 +132,7 @@ def _follow() -> int:
 
     ranks = ranks_from_environment()
     assert ranks is not None
-    with SigtermAsCtrlC() as interrupt:
+    with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,)) as interrupt:
         try:
             start(ranks)
             try:
