@@ -242,18 +242,23 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
 ) -> None:
     """A SIGKILL to the process whose scheduler started a training child (here `kaizen worker --once`, as a
     gateway's does) reaches the child as its parent-death signal, from Linux. The run is recorded failed as
-    interrupted because that process died, not as if someone had stopped the run."""
+    interrupted because that process died, not as if someone had stopped the run, and the child's lines about
+    it, which its dead parent can no longer copy, reach the policy's log all the same."""
     url, data, env = _long_run(tmp_path, embedded_model)
+    policy_log = data / "logs" / f"train-{POLICY}.log"
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "worker", "--once", "train", "--policy", POLICY],
         env,
         signal.SIGKILL,
         tmp_path / "command.log",
-        steps_log=data / "logs" / f"train-{POLICY}.log",
+        steps_log=policy_log,
     )
     assert stopped.returncode == -signal.SIGKILL
-    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    [run] = asyncio.run(fetch_rows(url, "SELECT id, status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", PARENT_DIED)
+    lines = policy_log.read_text()
+    assert f"training run {run['id']} failed: {PARENT_DIED}" in lines, lines[-4000:]
+    assert "training stopped by SIGHUP" in lines, lines[-4000:]
 
 
 @pytest.mark.parametrize(

@@ -20,12 +20,16 @@ def run_log_path(data_dir: Path, run_id: int) -> Path:
     return data_dir / "logs" / "runs" / f"train-{run_id}.log"
 
 
+def policy_log_path(data_dir: Path, policy: str) -> Path:
+    return data_dir / "logs" / f"train-{policy}.log"
+
+
 class RunLog:
     """A training child's output, line by line, to the policy's log and (once its run is known) the run's."""
 
     def __init__(self, data_dir: Path, policy: str) -> None:
         self.data_dir = data_dir
-        self.shared_path = data_dir / "logs" / f"train-{policy}.log"
+        self.shared_path = policy_log_path(data_dir, policy)
         self._shared: IO[str] | None = None
         self._own: IO[str] | None = None
         self._pending: collections.deque[str] = collections.deque(maxlen=PENDING_LINES)

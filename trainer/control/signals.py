@@ -18,8 +18,8 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class SigtermAsCtrlC:
-    """While entered, SIGTERM (and each signal of `also`) is raised again as SIGINT; `signal` is the one that came
-    (SIGINT until another does). A training child takes its parent-death signal this way too
+    """While entered, SIGTERM (and each signal of `also`) is raised again as SIGINT, after `on_stop` has run;
+    `signal` is the one that came (SIGINT until another does). A training child takes its parent-death signal this way too
     (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`), so its run records why it stopped.
 
     Only the first of them counts, and once one came the ones after it are ignored to the end of the process:
@@ -27,9 +27,12 @@ class SigtermAsCtrlC:
     would cut short the cleanup the first started (asyncio raises it at once), or the default action would end
     the process in the middle of it. A supervisor that insists sends SIGKILL."""
 
-    def __init__(self, also: tuple[signal.Signals, ...] = ()) -> None:
+    def __init__(
+        self, also: tuple[signal.Signals, ...] = (), on_stop: Callable[[signal.Signals], None] | None = None
+    ) -> None:
         self.signal = signal.SIGINT
         self._handled = (signal.SIGTERM, *also)
+        self._on_stop = on_stop
         self._previous: dict[signal.Signals, Handler] = {}
 
     def __enter__(self) -> SigtermAsCtrlC:
@@ -48,6 +51,8 @@ class SigtermAsCtrlC:
         if self.signal != signal.SIGINT:
             return  # already stopping on one
         self.signal = signal.Signals(signum)
+        if self._on_stop is not None:
+            self._on_stop(self.signal)
         if not callable(signal.getsignal(signal.SIGINT)):
             # SIGINT ignored (a shell script's background job) or left to the system: stop all the same.
             raise KeyboardInterrupt

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,7 @@ from storage.policies import get_policy
 from trainer.control.child_processes import PARENT_DEATH_SIGNAL
 from trainer.control.launch import ranks_from_environment
 from trainer.control.rewards import policy_reward_config
+from trainer.control.run_logs import policy_log_path
 from trainer.control.scoring import Scorer
 from trainer.control.signals import SigtermAsCtrlC
 from trainer.control.training_job import BAD_JOB, NO_CANDIDATE, TrainingJob, decode_job
@@ -97,12 +100,37 @@ def main() -> int:
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
     configure_logging(job.log_level)
-    with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,)) as interrupt:
+    with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,), on_stop=_orphaned_logs_to_policy_log(job)) as interrupt:
         try:
             return _train(job, interrupt)
         except KeyboardInterrupt:
             log.error("training stopped by %s", interrupt.signal.name)
             return interrupt.exit_status
+
+
+def _orphaned_logs_to_policy_log(job: TrainingJob) -> Callable[[signal.Signals], None]:
+    """On the parent-death signal: this process's log lines went to its parent, which is gone and would lose them,
+    so from then on they go to the policy's log (`trainer.control.run_logs`) directly: the lines that say how the
+    run ended are kept."""
+
+    def on_stop(signum: signal.Signals) -> None:
+        if signum != PARENT_DEATH_SIGNAL:
+            return
+        to_stderr = [
+            handler
+            for handler in logging.getLogger().handlers
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr
+        ]
+        if not to_stderr:
+            return
+        try:
+            log_file = policy_log_path(Path(job.data_dir), job.policy).open("a", encoding="utf-8")
+        except OSError:  # raised here, in a signal handler, it would break off whatever the run was doing
+            return
+        for handler in to_stderr:
+            handler.setStream(log_file)
+
+    return on_stop
 
 
 def _train(job: TrainingJob, interrupt: SigtermAsCtrlC) -> int:
