@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from gateway.commands.options import add_common_options, configure_logging, load_settings, parse_since
+from trainer.control.child_processes import PARENT_DEATH_SIGNAL, dying_with_parent
 
 log = logging.getLogger("kaizen")
 
@@ -105,8 +106,13 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     # In a session of its own, the child hears of a stop only from here, and once: a terminal's Ctrl-C and a
     # supervisor's SIGTERM both reach this process as KeyboardInterrupt and are passed on as one SIGTERM, which
-    # the trainer (or torchrun, to every trainer) takes as a stop: the run is recorded failed.
-    child = subprocess.Popen(list(config.train_command), stdin=subprocess.PIPE, start_new_session=True)
+    # the trainer (or torchrun, to every trainer) takes as a stop: the run is recorded failed. Should this process
+    # be SIGKILLed, the child gets its parent-death signal instead of training on where no Ctrl-C reaches it.
+    child = subprocess.Popen(
+        dying_with_parent(config.train_command, PARENT_DEATH_SIGNAL),
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
     assert child.stdin is not None
     try:
         child.stdin.write(job.encode())

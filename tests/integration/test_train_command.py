@@ -28,7 +28,7 @@ from trainer.control.training_job import BAD_JOB, TrainingJob
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "by-hand"
 #: What a run records when its training child got its parent-death signal.
-PARENT_DIED = "interrupted: the gateway or worker that started it died (SIGHUP)"
+PARENT_DIED = "interrupted: the process that started it died (SIGHUP)"
 TRAIN = {
     "grouping": "key",
     "group_size": 3,
@@ -259,6 +259,26 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
     lines = policy_log.read_text()
     assert f"training run {run['id']} failed: {PARENT_DIED}" in lines, lines[-4000:]
     assert "training stopped by SIGHUP" in lines, lines[-4000:]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_kaizen_train_takes_its_training_child_with_it(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """`kaizen train` runs the training in a child of a session of its own, which no terminal reaches: when
+    `kaizen train` is SIGKILLed (the OOM killer, a CI job's time limit) the child must stop too, not train on
+    under the policy's lock where no Ctrl-C can reach it, and its run says why."""
+    url, _, env = _long_run(tmp_path, embedded_model)
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
+        env,
+        signal.SIGKILL,
+        tmp_path / "command.log",
+    )
+    assert stopped.returncode == -signal.SIGKILL
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", PARENT_DIED)
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
 @pytest.mark.parametrize(

@@ -158,10 +158,10 @@ def _check_scorer(
 
 def interrupted_reason(interrupt: SigtermAsCtrlC | None) -> str:
     """What a run stopped by a signal records. A training child's parent-death signal
-    (`trainer.control.child_processes`) says its gateway died: saying so sends the operator to that gateway, not
-    looking for someone who stopped the run."""
+    (`trainer.control.child_processes`) says that what started it (a gateway, `kaizen worker` or `kaizen train`)
+    died: saying so sends the operator to that process, not looking for someone who stopped the run."""
     if interrupt is not None and interrupt.signal == PARENT_DEATH_SIGNAL:
-        return f"interrupted: the gateway or worker that started it died ({PARENT_DEATH_SIGNAL.name})"
+        return f"interrupted: the process that started it died ({PARENT_DEATH_SIGNAL.name})"
     return "interrupted"
 
 
