@@ -19,8 +19,8 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 class SigtermAsCtrlC:
     """While entered, SIGTERM (and each signal of `also`) is raised again as SIGINT, after `on_stop` has run;
-    `signal` is the one that came (SIGINT until another does). A training child takes its parent-death signal this way too
-    (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`), so its run records why it stopped.
+    `signal` is the one that came (SIGINT until another does). A training child takes its parent-death signal
+    (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`) this way too, so its run records why it stopped.
 
     Only the first of them counts, and once one came the ones after it are ignored to the end of the process:
     Linux sends a child its parent-death signal once for each thread of the dying parent, and a second SIGINT

@@ -109,9 +109,9 @@ def main() -> int:
 
 
 def _orphaned_logs_to_policy_log(job: TrainingJob) -> Callable[[signal.Signals], None]:
-    """On the parent-death signal: this process's log lines went to its parent, which is gone and would lose them,
-    so from then on they go to the policy's log (`trainer.control.run_logs`) directly: the lines that say how the
-    run ended are kept."""
+    """On the parent-death signal: a gateway's training child logs through the gateway, which is gone, so from then
+    on the log lines go to the policy's log (`trainer.control.run_logs`) directly: those that say how the run ended
+    are kept."""
 
     def on_stop(signum: signal.Signals) -> None:
         if signum != PARENT_DEATH_SIGNAL:
