@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import subprocess
 import sys
 import textwrap
 from collections.abc import Sequence
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.polling import wait_until_async
+from tests.support.polling import wait_until, wait_until_async
 from tests.support.proc_stats import running
 from trainer.control.model_jobs import (
     BASE_MODEL_UNAVAILABLE,
@@ -65,6 +68,7 @@ _CHILD = textwrap.dedent(
     """
 )
 COMMAND = (sys.executable, "-c", _CHILD)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def job(action: str, template: str = "{{ messages }}", out_dir: str = "") -> GgufConversionJob:
@@ -163,3 +167,35 @@ def test_a_cancelled_job_kills_its_child(tmp_path: Path) -> None:
     pid = asyncio.run(cancel_midway())
 
     assert not running(pid)
+
+
+@MODES
+def test_a_sigkilled_caller_takes_its_jobs_child_with_it(tmp_path: Path, mode: str) -> None:
+    """A gateway or command SIGKILLed while it waits for a model job (version 0's build, a base model's
+    conversion) leaves no child behind holding a model's memory; either launcher, since the sync one waits in
+    whatever thread called it."""
+    pid_file = tmp_path / "pid"
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.unit.test_model_jobs import COMMAND, job, run; "
+            "run(sys.argv[1], COMMAND, job('hang', out_dir=sys.argv[2]))",
+            mode,
+            str(pid_file),
+        ],
+        cwd=REPO,
+    )
+    try:
+        wait_until(lambda: pid_file.exists() or caller.poll() is not None, "the child to start")
+        assert caller.poll() is None
+        child = int(pid_file.read_text())
+        caller.kill()
+        caller.wait()
+        wait_until(lambda: not running(child), "the child to exit after its caller", timeout_s=30)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        if pid_file.exists() and running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

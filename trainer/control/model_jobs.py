@@ -178,7 +178,9 @@ def run_model_job_sync(command: Sequence[str], job: ModelJob, what: str) -> Mode
     """`run_model_job` for a caller without an event loop (the base model's pull, under its file lock)."""
     forwarder = _LogForwarder()
     with subprocess.Popen(
-        command,
+        # As `run_model_job`'s: no orphan after a SIGKILLed caller. The signal is tied to the calling thread, which
+        # waits here for the child, so it cannot go first.
+        dying_with_parent(command),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
