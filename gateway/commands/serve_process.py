@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from trainer.control.child_processes import dying_with_parent
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +33,7 @@ class GatewayProcess:
     """`kaizen serve` in a child process: vLLM, SQLite under `data_dir`, a free loopback port and fresh keys.
 
     `extra_env` adds or overrides settings; `env` can still be changed before `start`. Its log goes to a file.
+    It stops when the process that started it dies; `start` it from the thread that lives as long as it should.
     """
 
     def __init__(
@@ -57,8 +60,9 @@ class GatewayProcess:
 
     def start(self) -> None:
         log = self.log_path.open("ab")
+        # SIGTERM, a graceful stop, should the caller be SIGKILLed: no gateway left holding its port and engine.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve"],
+            dying_with_parent([sys.executable, "-m", "gateway", "serve"]),
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
