@@ -645,10 +645,15 @@ asyncio.run(main())
 """
 
 
+def _ignore_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def test_a_sigkilled_gateway_takes_its_training_child_with_it(database_url: str, tmp_path: Path) -> None:
     """The training child has a session of its own (so that stopping it reaches torchrun's ranks), which a
-    SIGKILL to its gateway does not reach: it asks Linux for SIGTERM when its parent dies. An orphan would go on
-    training under the job lock it inherited, and no run of the policy could start until it ended."""
+    SIGKILL to its gateway does not reach: it asks Linux for a signal when its parent dies, even where the gateway
+    runs under `nohup`. An orphan would go on training under the job lock it inherited, and no run of the policy
+    could start until it ended."""
 
     async def setup() -> None:
         database = await fresh_database(database_url)
@@ -671,6 +676,8 @@ def test_a_sigkilled_gateway_takes_its_training_child_with_it(database_url: str,
             str(pid_file),
         ],
         cwd=REPO,
+        # As `nohup kaizen serve` runs it: SIGHUP ignored, which a child inherits through exec unless it is reset.
+        preexec_fn=_ignore_sighup,  # noqa: PLW1509 (no threads in the child yet)
     )
     try:
         deadline = time.monotonic() + 60

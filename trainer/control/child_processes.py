@@ -17,10 +17,12 @@ from pathlib import Path
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 #: Runs first in the child's interpreter: ask Linux for a signal (argv[2]) when the parent dies, even by SIGKILL
-#: (the request survives the exec), stop if the parent is already gone, then exec the child's command unchanged.
-#: Source, not a module: vLLM's interpreter cannot import ours.
+#: (the request survives the exec), with its default action (an ignored signal stays ignored through the exec, and
+#: `nohup` ignores SIGHUP), stop if the parent is already gone, then exec the child's command unchanged. Source,
+#: not a module: vLLM's interpreter cannot import ours.
 _DIE_WITH_PARENT = """
-import ctypes, os, sys
+import ctypes, os, signal, sys
+signal.signal(int(sys.argv[2]), signal.SIG_DFL)
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
 except (AttributeError, OSError):
