@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,17 @@ def default_sigint() -> None:
     ignored SIGINT from the test runner when that was started in the background by a script (`make test &`),
     and a Ctrl-C test would then see its signal ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _as_launched(sigint_ignored: bool) -> Callable[[], None]:
+    """SIGINT as `sigint_ignored` says, and SIGHUP at its default, as a training child's launcher leaves it
+    (`dying_with_parent`) whatever the test runner's (`nohup` ignores it)."""
+
+    def preexec() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        (ignore_sigint if sigint_ignored else default_sigint)()
+
+    return preexec
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ def stop_mid_run(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=ignore_sigint if sigint_ignored else default_sigint,  # noqa: PLW1509 (no threads in the child yet)
+            preexec_fn=_as_launched(sigint_ignored),  # noqa: PLW1509 (no threads in the child yet)
         )
     if stdin is not None:
         assert process.stdin is not None

@@ -18,9 +18,10 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class SigtermAsCtrlC:
-    """While entered, SIGTERM (and each signal of `also`) is raised again as SIGINT, after `on_stop` has run;
-    `signal` is the one that came (SIGINT until another does). A training child takes its parent-death signal
-    (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`) this way too, so its run records why it stopped.
+    """While entered, SIGTERM (and each signal of `also` not ignored) is raised again as SIGINT, after `on_stop`
+    has run; `signal` is the one that came (SIGINT until another does). A training child takes its parent-death
+    signal (`trainer.control.child_processes.PARENT_DEATH_SIGNAL`) this way too, so its run records why it
+    stopped.
 
     Only the first of them counts, and once one came the ones after it are ignored to the end of the process:
     Linux sends a child its parent-death signal once for each thread of the dying parent, and a second SIGINT
@@ -37,6 +38,8 @@ class SigtermAsCtrlC:
 
     def __enter__(self) -> SigtermAsCtrlC:
         for signum in self._handled:
+            if signum != signal.SIGTERM and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # ignored on purpose (`nohup` ignores SIGHUP): it stays so
             self._previous[signum] = signal.signal(signum, self._terminate)
         return self
 
