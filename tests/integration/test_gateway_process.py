@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from gateway.commands.serve_process import GatewayProcess
 from tests.support.polling import wait_until
 from tests.support.proc_stats import processes_with
 from tests.support.scripted_upstream import ScriptedUpstream
+from tests.support.stopping import kill_what_is_left
 
 # A `kaizen serve` child started and stopped: `make test-fast` leaves it out.
 pytestmark = pytest.mark.slow
@@ -101,8 +101,4 @@ def test_a_sigkilled_caller_takes_its_gateway_with_it(
         wait_until(lambda: not processes_with(marker), "the gateway and its children to exit", timeout_s=60)
         assert "Application shutdown complete" in (tmp_path / "gateway.log").read_text()
     finally:
-        if caller.poll() is None:
-            caller.kill()
-            caller.wait()
-        for pid in processes_with(marker):
-            os.kill(pid, signal.SIGKILL)
+        kill_what_is_left(caller, marker)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.support.polling import wait_until
 from tests.support.proc_stats import processes_with
@@ -93,9 +94,15 @@ def stop_mid_run(
         process.wait(timeout=180)
         wait_until(lambda: not processes_with(marker), "every process it started to exit", timeout_s=60)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in processes_with(marker):
-            os.kill(pid, signal.SIGKILL)
+        kill_what_is_left(process, marker)
     return Stopped(process.returncode, log_path.read_text())
+
+
+def kill_what_is_left(process: subprocess.Popen[Any], marker: str) -> None:
+    """After a test: SIGKILL `process` if it still runs, and every process whose environment holds `marker`
+    (`NAME=value`), so that nothing it started outlives the test, whatever failed."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for pid in processes_with(marker):
+        os.kill(pid, signal.SIGKILL)
