@@ -152,3 +152,31 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) 
     gateway = GatewayServer(settings, startup_timeout_s=900).start()
     yield VLLMServer(gateway, f"http://127.0.0.1:{port}/v1", "smollm2-135m-instruct")
     gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer Llama with random weights and a word-level tokenizer: a real model for the trainer, in a second."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(64)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), pad_token="t0", eos_token="t1"
+    )
+    tokenizer.save_pretrained(path)
+    return path

@@ -10,8 +10,9 @@ run in the order ``--phases`` names them:
    throughput through the base model and through a LoRA adapter at each ``--streams``, adapter loads, and hot
    reload under load (``--hot-streams`` LoRA streams running while new adapter versions are loaded).
 3. ``train``: ``bench_train`` on it: Kaizen's GRPO update against TRL's on the same batch, on the GPU.
-4. ``unsloth``: Kaizen's update alone with the base loaded through Unsloth (``--unsloth-site``: a directory
-   where the ``gpu`` extra is installed, put first on that phase's path).
+4. ``unsloth``: Kaizen's update with the base loaded through Unsloth (``train.loader = "unsloth"``) beside the
+   same update through transformers + PEFT, in one run (``--unsloth-site``: a directory where the ``gpu`` extra is
+   installed, put first on that phase's path).
 5. ``demo``: ``kaizen demo`` with the embedded model, the engine put to sleep while each training child runs
    (``KAIZEN_ENGINE_SLEEP_DURING_TRAINING``), so traffic, rewards, training, the gate and hot reloads of the
    promoted adapters all run on the one GPU. Preparing the model, vLLM's start-up with sleep mode and each
@@ -297,7 +298,7 @@ def phase_train(args: argparse.Namespace, summary: dict[str, Any], trace: Memory
 
 
 def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
-    """Kaizen's update with the base loaded through Unsloth: `trainer.learner.model` picks it where it is importable."""
+    """Kaizen's update with the base loaded through Unsloth (the policy's opt-in) beside the plain one, one run."""
     env = _base_env()
     if args.unsloth_site is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.unsloth_site), env.get("PYTHONPATH")]))
@@ -311,7 +312,7 @@ def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: Memo
         logger.error("phase unsloth skipped: %s", reason)
         summary["phases"]["unsloth"] = {"name": "unsloth", "skipped": reason}
         return
-    run_bench_train(args, summary, trace, "unsloth", env, ["--sides", "kaizen"])
+    run_bench_train(args, summary, trace, "unsloth", env, ["--sides", "kaizen", "kaizen-unsloth"])
 
 
 def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:

@@ -95,6 +95,7 @@ def run_kaizen(
     device_name: str,
     *,
     compile_layers: bool = False,
+    loader: str = "peft",
 ) -> dict[str, Any]:
     import torch
 
@@ -108,6 +109,7 @@ def run_kaizen(
         grad_accumulation=GRAD_ACCUMULATION,
         learning_rate=1e-5,
         collapse_check_every=0,
+        loader=loader,
     )
     device = torch.device(device_name)
     model, tokenizer = load_policy(model_dir, None, cfg, device)
@@ -136,7 +138,7 @@ def run_kaizen(
         "tokens": tokens,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed,
-        "loader": "unsloth" if uses_unsloth(device) else "transformers",
+        "loader": "unsloth" if uses_unsloth(device, cfg.loader) else "transformers",
         **_peaks(device_name),
     }
 
@@ -255,9 +257,10 @@ def run_trl(
 
 #: The sides measured: Kaizen, TRL as GRPOConfig configures it (gradient checkpointing on), and TRL without
 #: gradient checkpointing (faster, more memory), the fairest speed comparison. On request only: Kaizen's update with
-#: each decoder layer compiled by torch.compile (an experiment on the GPU, where small steps are launch-bound).
+#: each decoder layer compiled by torch.compile (an experiment on the GPU, where small steps are launch-bound), and
+#: with the base loaded through Unsloth (`train.loader = "unsloth"`; the `gpu` extra, on a CUDA device).
 SIDES = ("kaizen", "trl", "trl-no-gc")
-EXTRA_SIDES = ("kaizen-compiled",)
+EXTRA_SIDES = ("kaizen-compiled", "kaizen-unsloth")
 
 
 def _child(
@@ -267,7 +270,10 @@ def _child(
     try:
         if side.startswith("kaizen"):
             compiled = side == "kaizen-compiled"
-            queue.put(run_kaizen(model_dir, rows, steps, threads, device, compile_layers=compiled))
+            loader = "unsloth" if side == "kaizen-unsloth" else "peft"
+            queue.put(
+                run_kaizen(model_dir, rows, steps, threads, device, compile_layers=compiled, loader=loader)
+            )
         else:
             queue.put(run_trl(model_dir, rows, steps, threads, device, gradient_checkpointing=side == "trl"))
     except BaseException:
@@ -370,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "trl": "TRL (defaults: grad. checkpointing)",
         "trl-no-gc": "TRL (no checkpointing)",
         "kaizen-compiled": "Kaizen (layers compiled)",
+        "kaizen-unsloth": "Kaizen (Unsloth)",
     }
     table = [
         "| | " + " | ".join(headers[side] for side in args.sides) + " |",

@@ -39,32 +39,6 @@ def test_plan_steps_puts_similar_lengths_together() -> None:
     assert padded == sum(lengths)  # no padding at all, where the shuffle would have padded two short samples
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(64)}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), pad_token="t0", eos_token="t1"
-    )
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_trainer_model_gives_the_logprobs_and_gradients_of_plain_peft(tiny_model_dir: Path) -> None:
     """`load_policy` keeps LoRA inputs in bf16 and hands the vocabulary projection a contiguous slice; the
     logprobs and LoRA gradients must match a PEFT model set up the default way, under the same autocast."""

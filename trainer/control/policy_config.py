@@ -296,6 +296,11 @@ class TrainConfig(_Section):
         description="With several training processes (KAIZEN_TRAIN_PROCESSES, or torchrun): `fsdp` shards the "
         "frozen base across them (a base too big for one GPU), `ddp` gives each a whole copy (faster when it fits).",
     )
+    loader: Literal["peft", "unsloth"] = Field(
+        "peft",
+        description="What loads the base on a CUDA GPU: `peft` (transformers + PEFT) or `unsloth` (the `gpu` extra; "
+        "opt-in, as it was not faster on an H100). Elsewhere, or where Unsloth is not installed, always `peft`.",
+    )
 
     # --- what went well: supervised fine-tuning on demonstrations (trainer/learner/sft.py)
     mode: TrainMode = Field(

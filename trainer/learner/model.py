@@ -1,7 +1,7 @@
 """The policy model on the trainer side: base + LoRA (PEFT), local sampling, and atomic adapter writes.
 
-Unsloth is used on a CUDA GPU when installed (faster kernels, less memory); otherwise plain PyTorch + PEFT.
-LoRA weights stay float32 (their updates are tiny and would vanish in bf16) and compute runs under bf16 autocast
+Unsloth loads the base on a CUDA GPU when a policy asks for it (`train.loader`) and it is installed; otherwise
+plain PyTorch + PEFT. LoRA weights stay float32 (their updates are tiny and would vanish in bf16) and compute runs under bf16 autocast
 where the CPU/GPU supports bf16 (AVX512-BF16/AMX): there the frozen base is stored in bf16 too.
 """
 
@@ -45,9 +45,24 @@ def autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-def uses_unsloth(device: torch.device) -> bool:
-    """Unsloth loads the base on a CUDA device where it is installed (the `gpu` extra)."""
-    return device.type == "cuda" and importlib.util.find_spec("unsloth") is not None
+def uses_unsloth(device: torch.device, loader: str) -> bool:
+    """Whether Unsloth loads the base: only when the policy asks for it (`train.loader`), on a CUDA device, where
+    it is installed (the `gpu` extra). Opt-in because on an H100 it ran the same update slower than transformers +
+    PEFT (docs/performance.md); a request it cannot meet falls back to PEFT with a warning, so a policy set up
+    for a GPU server still trains elsewhere."""
+    if loader != "unsloth":
+        return False
+    if device.type != "cuda":
+        logger.warning(
+            "train.loader is unsloth, which needs a CUDA device: loading the base with PEFT on %s", device
+        )
+        return False
+    if importlib.util.find_spec("unsloth") is None:
+        logger.warning(
+            "train.loader is unsloth, which is not installed (pip install 'kaizen[gpu]'): loading the base with PEFT"
+        )
+        return False
+    return True
 
 
 def _load_base(base_path: str, device: torch.device, with_unsloth: bool) -> Any:
@@ -70,7 +85,7 @@ def load_policy(
     base_path: str, adapter_path: str | None, cfg: TrainConfig, device: torch.device
 ) -> tuple[Any, Any]:
     """Base model with the active adapter (trainable), or a fresh LoRA when the policy has no version yet."""
-    with_unsloth = uses_unsloth(device)
+    with_unsloth = uses_unsloth(device, cfg.loader)
     if with_unsloth:
         # Unsloth patches transformers' and PEFT's classes when imported: it must come before them (on the H100
         # it warned "Unsloth should be imported before [transformers, peft]" when it did not).
