@@ -158,12 +158,14 @@ def build_vllm_engine(settings: Settings, *, adopt_adapters: bool = False) -> En
 
 
 def replica_environment(settings: Settings, index: int) -> dict[str, str]:
-    """The devices of started replica `index`: its GPUs (one each by default) and, on CPU, its cores."""
-    if settings.vllm_replicas == 1:
-        return {}
+    """The devices of started replica `index`: its GPUs (one each by default when there are several; a single one
+    sees every GPU unless told) and, on CPU, its cores."""
     env: dict[str, str] = {}
     gpus = [g.strip() for g in settings.vllm_replica_gpus.split(";")] if settings.vllm_replica_gpus else []
-    env["CUDA_VISIBLE_DEVICES"] = gpus[index] if index < len(gpus) else str(index)
+    if index < len(gpus):
+        env["CUDA_VISIBLE_DEVICES"] = gpus[index]
+    elif settings.vllm_replicas > 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
     cpus = [c.strip() for c in settings.vllm_replica_cpus.split(";")] if settings.vllm_replica_cpus else []
     if index < len(cpus):
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpus[index]

@@ -501,14 +501,22 @@ class Settings(BaseSettings):
     vllm_replica_gpus: str = Field(
         "",
         description="`CUDA_VISIBLE_DEVICES` of each started replica, separated by `;` (`0,1;2,3` for two "
-        "replicas of two GPUs each, with `--tensor-parallel-size 2` in KAIZEN_VLLM_EXTRA_ARGS). Empty: replica i "
-        "gets GPU i when there are several.",
+        "replicas of two GPUs each, with `--tensor-parallel-size 2` in KAIZEN_VLLM_EXTRA_ARGS; `0` keeps one replica "
+        "on the first GPU, beside a trainer on KAIZEN_TRAIN_GPUS). Empty: replica i gets GPU i when there are "
+        "several; a single one sees every GPU.",
     )
     train_processes: int = Field(
         1,
         ge=1,
         description="Processes one training run uses on this machine (one per GPU), started through torchrun; "
         "the policy's `train.sharding` says how the model is spread over them (FSDP by default).",
+    )
+    train_gpus: str = Field(
+        "",
+        description="`CUDA_VISIBLE_DEVICES` of the training child: `1` trains on the second GPU while vLLM serves "
+        "on the first (KAIZEN_VLLM_REPLICA_GPUS=0), so no call waits for training; `1,2` for two training "
+        "processes. Empty: the child sees the GPUs this process sees and trains on the first, beside vLLM "
+        "(docs/operations.md).",
     )
     vllm_replica_cpus: str = Field(
         "",
@@ -556,6 +564,16 @@ class Settings(BaseSettings):
         if problem is not None:
             raise ValueError(f"KAIZEN_JUDGE_API_BASE {problem}")
         return value
+
+    @model_validator(mode="after")
+    def _enough_training_gpus(self) -> Settings:
+        listed = [gpu for gpu in self.train_gpus.split(",") if gpu.strip()]
+        if listed and len(listed) < self.train_processes:
+            raise ValueError(
+                f"KAIZEN_TRAIN_GPUS names {len(listed)} GPU(s) for KAIZEN_TRAIN_PROCESSES={self.train_processes}: "
+                "each training process needs a GPU of its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _derive_database_url(self) -> Settings:

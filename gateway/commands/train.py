@@ -110,6 +110,7 @@ def train_command(args: argparse.Namespace) -> int:
     # be SIGKILLed, the child gets its parent-death signal instead of training on where no Ctrl-C reaches it.
     child = subprocess.Popen(
         dying_with_parent(config.train_command, PARENT_DEATH_SIGNAL),
+        env=config.train_environment(),
         stdin=subprocess.PIPE,
         start_new_session=True,
     )

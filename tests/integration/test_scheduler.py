@@ -29,7 +29,14 @@ from storage.database import Database
 from storage.jobs import list_runs
 from storage.locks import acquire_lock
 from storage.models import Adapter, Call, Episode, TrainingRun
-from storage.policies import activate_version, adapter_dir, add_adapter, create_policy, list_adapters
+from storage.policies import (
+    activate_version,
+    adapter_dir,
+    add_adapter,
+    create_policy,
+    get_policy,
+    list_adapters,
+)
 from tests.conftest import query
 from tests.support.polling import wait_until_async
 from tests.support.training_children import RECORDS_ITS_RUN
@@ -265,6 +272,40 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
         "GET /child",
         "POST /wake_up",
     ]
+
+
+def test_the_training_child_sees_the_gpus_kaizen_train_gpus_names(tmp_path: Path) -> None:
+    """Training on a GPU apart from the engine's: the child's CUDA_VISIBLE_DEVICES is `train_gpus`, whatever this
+    process's is; without it, the child inherits ours."""
+    seen = tmp_path / "seen"
+    child = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-')); sys.exit(3)"
+
+    async def scenario(train_gpus: str) -> str | None:
+        database = await fresh_database(f"sqlite:///{tmp_path / 'kaizen.db'}")
+        try:
+            async with database.session() as session:
+                if await get_policy(session, "own-gpu") is None:
+                    await create_policy(session, "own-gpu", "base", {})
+                    await session.commit()
+            config = RunnerConfig(
+                data_dir=tmp_path,
+                judge=JudgeSettings(model=""),
+                database_url=database.url,
+                train_command=[sys.executable, "-c", child, str(seen)],
+                gate_url="http://127.0.0.1:9/v1",
+                train_gpus=train_gpus,
+            )
+            info = await JobRunner(database, config).run("own-gpu", "train")
+            return info.status if info is not None else None
+        finally:
+            await database.dispose()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        assert asyncio.run(scenario("1,2")) == "failed"
+        assert seen.read_text() == "1,2"
+        assert asyncio.run(scenario("")) == "failed"
+        assert seen.read_text() == "0"
 
 
 # A training child that records its run as the trainer does, tells the engine it runs, then trains "forever".
@@ -528,6 +569,9 @@ def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
     assert job.lock_owner == "host:1:abc"
     asleep = runner_config(settings.model_copy(update={"engine_sleep_during_training": True}))
     assert asleep.training_job("p", "b", TrainOptions()).engine_url is None  # a sleeping engine cannot answer
+    assert config.train_environment() is None  # the child sees the GPUs this process sees
+    apart = runner_config(settings.model_copy(update={"train_gpus": "1"})).train_environment()
+    assert apart is not None and apart["CUDA_VISIBLE_DEVICES"] == "1"
     several = runner_config(settings.model_copy(update={"train_processes": 2}))
     assert several.train_command[1:3] == ["-m", "trainer.learner.torchrun"]
     assert several.train_command[-2:] == ["-m", "trainer.learner"]

@@ -123,7 +123,7 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
             "--data-dir",
             str(tmp_path / "data"),
         ],
-        env={**_env(), "KAIZEN_TRAIN_SAMPLER": "local"},
+        env={**_env(), "KAIZEN_TRAIN_SAMPLER": "local", "KAIZEN_TRAIN_GPUS": "7"},
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -132,6 +132,7 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     )
     assert again.returncode == 3, again.stderr[-4000:]
     assert "skipped" in again.stderr
+    assert f"training {POLICY} on the GPUs CUDA_VISIBLE_DEVICES=7 names" in again.stderr  # KAIZEN_TRAIN_GPUS
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 

@@ -107,3 +107,10 @@ def test_each_command_lists_its_own_options_and_the_common_three() -> None:
     create_help = leaves[("keys", "create")].format_help()
     assert "--port" not in create_help and "--judge-model" not in create_help
     assert "--base-model" in leaves[("policy", "create")].format_help()
+
+
+def test_training_processes_need_a_gpu_each_of_those_kaizen_train_gpus_names() -> None:
+    assert Settings.load(train_processes=2, train_gpus="1,2").train_gpus == "1,2"
+    assert Settings.load(train_gpus="1").train_gpus == "1"
+    with pytest.raises(ValueError, match="KAIZEN_TRAIN_GPUS names 1 GPU"):
+        Settings.load(train_processes=2, train_gpus="1")

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import shutil
 import signal
 import time
@@ -119,6 +120,8 @@ class RunnerConfig:
     #: The engine's own /v1 URL: put to sleep during training when `sleep_engine` (vLLM on a GPU only).
     engine_url: str | None = None
     sleep_engine: bool = False
+    #: `CUDA_VISIBLE_DEVICES` of the training child (a GPU apart from the engine's); empty: it inherits ours.
+    train_gpus: str = ""
     train_timeout_s: float = 6 * 3600.0
     #: What a training child gets after SIGTERM to record its run and stop (torchrun stops its ranks) before
     #: its process group, whatever is left of it, is killed.
@@ -131,6 +134,12 @@ class RunnerConfig:
     #: through); runs in a thread, as it may build an embedded model on first use.
     base_model_path: Callable[[str], str] = str
     log_level: str = "info"
+
+    def train_environment(self) -> dict[str, str] | None:
+        """The training child's environment: ours, with its GPUs when `train_gpus` names them (None: ours)."""
+        if not self.train_gpus:
+            return None
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": self.train_gpus}
 
     def gateway_key(self, project: str | None) -> str | None:
         """The key the gate and resampling present for a policy owned by `project` (None: shared). An owned
@@ -434,6 +443,7 @@ class JobRunner:
         # it ended. The signal is one of its own, so its run records that its parent died.
         process = await asyncio.create_subprocess_exec(
             *dying_with_parent(argv, PARENT_DEATH_SIGNAL),
+            env=self.config.train_environment(),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -100,6 +101,8 @@ def main() -> int:
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
     configure_logging(job.log_level)
+    if (gpus := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        log.info("training %s on the GPUs CUDA_VISIBLE_DEVICES=%s names", job.policy, gpus)
     with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,), on_stop=_orphaned_logs_to_policy_log(job)) as interrupt:
         try:
             return _train(job, interrupt)
