@@ -60,6 +60,7 @@ def runner_config(settings: Settings, engine_url: str | None = None) -> RunnerCo
         engine_url=engine_url,
         sleep_engine=settings.engine_sleep_during_training,
         train_gpus=settings.train_gpus,
+        train_threads=settings.train_threads,
         train_timeout_s=settings.train_timeout_s,
         retention_calls_days=settings.retention_calls_days,
         log_level=settings.log_level,

@@ -518,6 +518,13 @@ class Settings(BaseSettings):
         "processes. Empty: the child sees the GPUs this process sees and trains on the first, beside vLLM "
         "(docs/operations.md).",
     )
+    train_threads: int = Field(
+        0,
+        ge=0,
+        description="CPU threads of the training child (its `OMP_NUM_THREADS`). On a small CPU machine, `1` with "
+        "KAIZEN_VLLM_REPLICA_CPUS=0 keeps training and vLLM off each other's cores: a run beside live calls "
+        "took 32 s instead of 1,070 on 2 cores (docs/performance.md). 0: torch's default, one per core.",
+    )
     vllm_replica_cpus: str = Field(
         "",
         description="CPU build: `VLLM_CPU_OMP_THREADS_BIND` of each started replica, separated by `;` "

@@ -274,13 +274,16 @@ def test_engine_sleeps_draining_calls_for_training_and_wakes_even_when_it_fails(
     ]
 
 
-def test_the_training_child_sees_the_gpus_kaizen_train_gpus_names(tmp_path: Path) -> None:
-    """Training on a GPU apart from the engine's: the child's CUDA_VISIBLE_DEVICES is `train_gpus`, whatever this
-    process's is; without it, the child inherits ours."""
+def test_the_training_child_gets_the_gpus_and_threads_it_is_given(tmp_path: Path) -> None:
+    """Training apart from the engine: the child's CUDA_VISIBLE_DEVICES is `train_gpus` and its OMP_NUM_THREADS
+    `train_threads`, whatever this process's are; without them, the child inherits ours."""
     seen = tmp_path / "seen"
-    child = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', '-')); sys.exit(3)"
+    child = (
+        "import os, sys; open(sys.argv[1], 'w').write("
+        "os.environ.get('CUDA_VISIBLE_DEVICES', '-') + ' ' + os.environ.get('OMP_NUM_THREADS', '-')); sys.exit(3)"
+    )
 
-    async def scenario(train_gpus: str) -> str | None:
+    async def scenario(train_gpus: str, train_threads: int) -> str | None:
         database = await fresh_database(f"sqlite:///{tmp_path / 'kaizen.db'}")
         try:
             async with database.session() as session:
@@ -294,6 +297,7 @@ def test_the_training_child_sees_the_gpus_kaizen_train_gpus_names(tmp_path: Path
                 train_command=[sys.executable, "-c", child, str(seen)],
                 gate_url="http://127.0.0.1:9/v1",
                 train_gpus=train_gpus,
+                train_threads=train_threads,
             )
             info = await JobRunner(database, config).run("own-gpu", "train")
             return info.status if info is not None else None
@@ -302,10 +306,11 @@ def test_the_training_child_sees_the_gpus_kaizen_train_gpus_names(tmp_path: Path
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "0")
-        assert asyncio.run(scenario("1,2")) == "failed"
-        assert seen.read_text() == "1,2"
-        assert asyncio.run(scenario("")) == "failed"
-        assert seen.read_text() == "0"
+        patch.setenv("OMP_NUM_THREADS", "8")
+        assert asyncio.run(scenario("1,2", 1)) == "failed"
+        assert seen.read_text() == "1,2 1"
+        assert asyncio.run(scenario("", 0)) == "failed"
+        assert seen.read_text() == "0 8"
 
 
 # A training child that records its run as the trainer does, tells the engine it runs, then trains "forever".
@@ -569,7 +574,7 @@ def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
     assert job.lock_owner == "host:1:abc"
     asleep = runner_config(settings.model_copy(update={"engine_sleep_during_training": True}))
     assert asleep.training_job("p", "b", TrainOptions()).engine_url is None  # a sleeping engine cannot answer
-    assert config.train_environment() is None  # the child sees the GPUs this process sees
+    assert config.train_environment() is None  # the child sees the GPUs and cores this process sees
     apart = runner_config(settings.model_copy(update={"train_gpus": "1"})).train_environment()
     assert apart is not None and apart["CUDA_VISIBLE_DEVICES"] == "1"
     several = runner_config(settings.model_copy(update={"train_processes": 2}))

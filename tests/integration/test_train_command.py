@@ -123,7 +123,12 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
             "--data-dir",
             str(tmp_path / "data"),
         ],
-        env={**_env(), "KAIZEN_TRAIN_SAMPLER": "local", "KAIZEN_TRAIN_GPUS": "7"},
+        env={
+            **_env(),
+            "KAIZEN_TRAIN_SAMPLER": "local",
+            "KAIZEN_TRAIN_GPUS": "7",
+            "KAIZEN_TRAIN_THREADS": "1",
+        },
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -132,7 +137,7 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     )
     assert again.returncode == 3, again.stderr[-4000:]
     assert "skipped" in again.stderr
-    assert f"training {POLICY} on the GPUs CUDA_VISIBLE_DEVICES=7 names" in again.stderr  # KAIZEN_TRAIN_GPUS
+    assert f"training {POLICY} with CUDA_VISIBLE_DEVICES=7 OMP_NUM_THREADS=1" in again.stderr  # its placement
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 

@@ -122,6 +122,8 @@ class RunnerConfig:
     sleep_engine: bool = False
     #: `CUDA_VISIBLE_DEVICES` of the training child (a GPU apart from the engine's); empty: it inherits ours.
     train_gpus: str = ""
+    #: `OMP_NUM_THREADS` of the training child (CPU threads; fewer than the cores leaves some to vLLM); 0: ours.
+    train_threads: int = 0
     train_timeout_s: float = 6 * 3600.0
     #: What a training child gets after SIGTERM to record its run and stop (torchrun stops its ranks) before
     #: its process group, whatever is left of it, is killed.
@@ -136,10 +138,13 @@ class RunnerConfig:
     log_level: str = "info"
 
     def train_environment(self) -> dict[str, str] | None:
-        """The training child's environment: ours, with its GPUs when `train_gpus` names them (None: ours)."""
-        if not self.train_gpus:
-            return None
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": self.train_gpus}
+        """The training child's environment: ours, with the GPUs and CPU threads it is given (None: ours)."""
+        placement = {}
+        if self.train_gpus:
+            placement["CUDA_VISIBLE_DEVICES"] = self.train_gpus
+        if self.train_threads:
+            placement["OMP_NUM_THREADS"] = str(self.train_threads)
+        return {**os.environ, **placement} if placement else None
 
     def gateway_key(self, project: str | None) -> str | None:
         """The key the gate and resampling present for a policy owned by `project` (None: shared). An owned

@@ -101,8 +101,13 @@ def main() -> int:
         log.error("no training job on stdin (one TrainingJob as a JSON line): %s", exc)
         return BAD_JOB
     configure_logging(job.log_level)
-    if (gpus := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
-        log.info("training %s on the GPUs CUDA_VISIBLE_DEVICES=%s names", job.policy, gpus)
+    placement = [
+        f"{name}={os.environ[name]}"
+        for name in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+        if name in os.environ
+    ]
+    if placement:
+        log.info("training %s with %s", job.policy, " ".join(placement))
     with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,), on_stop=_orphaned_logs_to_policy_log(job)) as interrupt:
         try:
             return _train(job, interrupt)
