@@ -187,10 +187,12 @@ bench-chaos: install install-vllm models
 bench-canary: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_canary --out tests/bench/results/canary.json
 
-# Latency of live calls while a training run trains beside them, against idle (vLLM with the embedded model; about
-# 12 minutes on the reference CPU, where the run is slow). On a GPU machine add variants: see the module docstring.
+# Latency of live calls while a training run trains beside them, against idle (vLLM with the embedded model), with
+# the cores shared and split (about 15 minutes on the reference CPU). On a GPU machine: see the module docstring.
 bench-serving-during-training: install install-vllm models
-	$(BIN)/python -m tests.bench.bench_serving_during_training --out tests/bench/results/serving-during-training.json
+	$(BIN)/python -m tests.bench.bench_serving_during_training --variant shared: \
+		--variant 'split:KAIZEN_VLLM_REPLICA_CPUS=0;KAIZEN_TRAIN_THREADS=1' \
+		--out tests/bench/results/serving-during-training.json
 
 clean:
 	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache

@@ -1,7 +1,7 @@
 """Latency of live calls while a training run trains beside them, against the same calls with no run.
 
-For each variant (``--variant 'NAME:KEY=VALUE;KEY=VALUE'``: settings of its gateway; by default one, ``shared``,
-with none), one real `kaizen serve` (vLLM with the embedded model, SQLite, its own scheduler), one after the
+For each variant (``--variant 'NAME:KEY=VALUE;KEY=VALUE'``: settings and other environment variables of its
+gateway, which its vLLM and training child inherit; by default one, ``shared``, with none), one real `kaizen serve` (vLLM with the embedded model, SQLite, its own scheduler), one after the
 other:
 
 1. a policy whose `train` section groups episodes by `metadata.group_key`, so a run's load is the update alone
@@ -16,9 +16,10 @@ other:
 On a GPU machine the variants name how serving and training share it (docs/operations.md): ``shared`` (one GPU,
 vLLM's share of its memory set in ``KAIZEN_VLLM_EXTRA_ARGS``), ``apart`` (``KAIZEN_VLLM_REPLICA_GPUS=0;
 KAIZEN_TRAIN_GPUS=1``) and ``asleep`` (``KAIZEN_ENGINE_SLEEP_DURING_TRAINING=true``, with vLLM's sleep mode). On
-this CPU the one variant shares the cores.
+a CPU, `make bench-serving-during-training` runs ``shared`` (the cores shared) beside ``split``
+(``KAIZEN_VLLM_REPLICA_CPUS=0;KAIZEN_TRAIN_THREADS=1``: vLLM on the first core, one thread for training).
 
-    python -m tests.bench.bench_serving_during_training [--seconds 30] [--concurrency 1] [--episodes 16] [--epochs 1]
+    python -m tests.bench.bench_serving_during_training [--seconds 30] [--concurrency 1] [--episodes 16] [--epochs 4]
         [--variant NAME:SETTINGS ...] [--out tests/bench/results/serving-during-training.json]
 """
 
@@ -249,8 +250,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     settings: dict[str, str] = {}
     for pair in filter(None, (p.strip() for p in rest.split(";"))):
         key, sep, value = pair.partition("=")
-        if not sep or not key.startswith("KAIZEN_"):
-            raise argparse.ArgumentTypeError(f"variant {text!r}: {pair!r} is not KAIZEN_NAME=VALUE")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: {pair!r} is not NAME=VALUE")
         settings[key] = value
     if not name:
         raise argparse.ArgumentTypeError(f"variant {text!r} has no name")
@@ -295,13 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument(
-        "--epochs", type=int, default=4, help="passes of the run over its data: how long it lasts"
+        "--epochs",
+        type=int,
+        default=4,
+        help="passes of the run over its data: raise it on a GPU, where a run is short",
     )
     parser.add_argument("--run-timeout-s", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--variant", action="append", default=[], help="NAME:KAIZEN_X=V;KAIZEN_Y=W (repeatable)"
-    )
+    parser.add_argument("--variant", action="append", default=[], help="NAME:KAIZEN_X=V;OTHER=W (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("tests/bench/results/serving-during-training.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
