@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_grpo_update import tiny_model_dir  # noqa: F401  (a fixture)
 from trainer.control.policy_config import TrainConfig
 from trainer.learner.batch import TokenizedSample, collate
 from trainer.learner.dataset import DataReport, TrainingExample
@@ -114,7 +113,7 @@ def test_phase_metrics_add_up_counts_and_keep_each_phases_losses() -> None:
     assert [p["phase"] for p in total["phases"]] == ["sft", "grpo"]
 
 
-def test_a_mixed_update_imitates_demonstrations_beside_the_attempts(tiny_model_dir: Path) -> None:  # noqa: F811
+def test_a_mixed_update_imitates_demonstrations_beside_the_attempts(tiny_model_dir: Path) -> None:
     cfg = TrainConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, micro_batch_size=4, epochs=1)
     device = torch.device("cpu")
     model, _ = load_policy(str(tiny_model_dir), None, cfg, device)
