@@ -205,7 +205,8 @@ async def run_variant(
     from gateway.demo.runner import wait_for_model
     from gateway.settings import Settings
 
-    base = await asyncio.to_thread(resolve_base_model, Settings().base_model, Settings().data_dir / "models")
+    defaults = Settings()
+    base = await asyncio.to_thread(resolve_base_model, defaults.base_model, defaults.data_dir / "models")
     data = work / name
     data.mkdir(parents=True)
     gateway = GatewayProcess(data, base, data / "gateway.log", settings)

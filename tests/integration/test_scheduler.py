@@ -4,6 +4,7 @@ run after downtime, and retention that never touches the active, pinned or rollb
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -290,12 +291,9 @@ def test_the_training_child_gets_the_gpus_and_threads_it_is_given(tmp_path: Path
                 if await get_policy(session, "own-gpu") is None:
                     await create_policy(session, "own-gpu", "base", {})
                     await session.commit()
-            config = RunnerConfig(
-                data_dir=tmp_path,
-                judge=JudgeSettings(model=""),
-                database_url=database.url,
+            config = dataclasses.replace(
+                runner(database, tmp_path).config,
                 train_command=[sys.executable, "-c", child, str(seen)],
-                gate_url="http://127.0.0.1:9/v1",
                 train_gpus=train_gpus,
                 train_threads=train_threads,
             )

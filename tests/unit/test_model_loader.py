@@ -17,15 +17,21 @@ CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def unsloth_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`find_spec` answers as it would where the `gpu` extra is installed."""
+def pretend_unsloth(monkeypatch: pytest.MonkeyPatch, *, installed: bool) -> None:
+    """`find_spec` answers for Unsloth as it would with (or without) the `gpu` extra installed."""
     real = importlib.util.find_spec
 
     def find_spec(name: str, *args: Any, **kwargs: Any) -> Any:
-        return object() if name == "unsloth" else real(name, *args, **kwargs)
+        if name == "unsloth":
+            return object() if installed else None
+        return real(name, *args, **kwargs)
 
     monkeypatch.setattr(model.importlib.util, "find_spec", find_spec)
+
+
+@pytest.fixture
+def unsloth_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_unsloth(monkeypatch, installed=True)
 
 
 def test_the_default_is_peft_even_on_a_gpu_where_unsloth_is_installed(unsloth_installed: None) -> None:
@@ -50,12 +56,7 @@ def test_unsloth_it_cannot_use_falls_back_to_peft_with_a_warning(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        model.importlib.util,
-        "find_spec",
-        lambda name, *a: (object() if installed else None) if name == "unsloth" else real(name, *a),
-    )
+    pretend_unsloth(monkeypatch, installed=installed)
     with caplog.at_level(logging.WARNING, logger=model.logger.name):
         assert not uses_unsloth(device, "unsloth")
     assert reason in caplog.text

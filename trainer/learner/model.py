@@ -1,8 +1,8 @@
 """The policy model on the trainer side: base + LoRA (PEFT), local sampling, and atomic adapter writes.
 
 Unsloth loads the base on a CUDA GPU when a policy asks for it (`train.loader`) and it is installed; otherwise
-plain PyTorch + PEFT. LoRA weights stay float32 (their updates are tiny and would vanish in bf16) and compute runs under bf16 autocast
-where the CPU/GPU supports bf16 (AVX512-BF16/AMX): there the frozen base is stored in bf16 too.
+plain PyTorch + PEFT. LoRA weights stay float32 (their updates are tiny and would vanish in bf16) and compute runs
+under bf16 autocast where the CPU/GPU supports bf16 (AVX512-BF16/AMX): there the frozen base is stored in bf16 too.
 """
 
 from __future__ import annotations
