@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI
 
 from gateway.capture.directory import CaptureDirectory
 from gateway.commands.main import main as kaizen_main
@@ -35,7 +34,7 @@ from gateway.settings import async_database_url
 from migrations.runner import known_revisions, upgrade_database
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy
-from tests.support.child_gateway import replica_set
+from tests.support.child_gateway import replica_set, sdk_chat
 from tests.support.child_gateway import start as start_gateway
 from tests.support.polling import poll, wait_until_async
 from tests.support.postgres import PostgresServer
@@ -126,11 +125,8 @@ class Traffic:
     rewards: dict[str, tuple[str, float]] = field(default_factory=dict)  # idempotency key -> (call, value)
 
     async def call(self, text: str) -> str:
-        client = AsyncOpenAI(
-            base_url=self.gateway.url + "/v1", api_key=self.gateway.api_key, max_retries=0, timeout=60
-        )
-        raw = await client.chat.completions.with_raw_response.create(
-            model="bot", messages=[{"role": "user", "content": text}], max_tokens=4
+        raw = await sdk_chat(
+            self.gateway, model="bot", messages=[{"role": "user", "content": text}], max_tokens=4
         )
         assert raw.headers["x-kaizen-model"] == f"bot@{ACTIVE}"
         self.answered[raw.headers["x-request-id"]] = text

@@ -26,8 +26,8 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.commands.serve_process import GatewayProcess
-from tests.integration.test_capture_faults import one_call, sdk, stored_calls
-from tests.support.child_gateway import start, upstream_gateway
+from tests.integration.test_capture_faults import one_call, stored_calls
+from tests.support.child_gateway import sdk, start, upstream_gateway
 from tests.support.disk_limits import LogPipe, allow_file_growth, capture_writer_pid, refuse_file_growth
 from tests.support.polling import wait_until_async
 from tests.support.scripted_upstream import ScriptedUpstream
@@ -155,6 +155,7 @@ def test_a_full_disk_keeps_answering_reports_it_and_recovers_by_itself(
         await wait_until_async(back_to_the_log, "/readyz to report the capture log again")
         assert log.count(BACK_LINE) == 1
         after = await answer_all(client, [f"after {n}" for n in range(6)])
+        await client.close()
         metrics = await capture_metrics(child)
         assert metrics["durable"] == 1 and metrics["log_failures_total"] == 10, metrics
 
@@ -220,6 +221,7 @@ def test_strict_mode_refuses_calls_it_cannot_log_and_recovers_by_itself(
         assert late.value.status_code == 503 and late.value.code == "capture_unavailable"
         allow_file_growth(pid)
         await wait_until_async(ready_again, "/readyz to answer 200 again")
+        await client.close()
 
         rows = await wait_stored(sqlite_url, set(answered))
         assert sorted(row["id"] for row in rows) == sorted(answered)  # nothing refused is stored

@@ -20,7 +20,7 @@ from openai import AsyncOpenAI
 
 from gateway.commands.serve_process import GatewayProcess
 from gateway.signing import sign
-from tests.support.child_gateway import kill, start, terminate, upstream_gateway
+from tests.support.child_gateway import kill, sdk, start, terminate, upstream_gateway
 from tests.support.polling import poll
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
@@ -48,10 +48,6 @@ def gateway(tmp_path: Path, upstream: ScriptedUpstream, database_url: str) -> It
     )
     yield child
     child.stop()
-
-
-def sdk(gateway: GatewayProcess) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=60)
 
 
 async def one_call(
@@ -159,7 +155,8 @@ async def crash_midway(load: Load) -> None:
     load.up.clear()
     await kill(load.gateway)
     await start(load.gateway)
-    load.client = sdk(load.gateway)  # the old pool's connections died with the process
+    stale, load.client = load.client, sdk(load.gateway)  # the old pool's connections died with the process
+    await stale.close()
     load.up.set()
 
 
@@ -176,6 +173,7 @@ def test_sigkill_under_load_loses_and_duplicates_nothing(gateway: GatewayProcess
             await asyncio.gather(*(worker(load, http) for _ in range(CONCURRENCY)))
             assert crash.done(), "the load finished before the gateway was killed"
             await crash
+        await load.client.close()
         answered_ids = set(load.answered.values())
 
         async def all_stored() -> bool:
@@ -275,6 +273,7 @@ def test_sigterm_with_calls_in_flight_stores_every_answered_call(
         terminating.set()
         code = await terminate(gateway)
         await asyncio.gather(*senders)
+        await client.close()
         return state, code, await stored_calls(database_url)
 
     state, code, rows = asyncio.run(scenario())
@@ -299,12 +298,12 @@ def test_repeated_client_request_id_stores_both_calls(gateway: GatewayProcess, d
 
     async def scenario() -> tuple[list[str], list[dict[str, Any]]]:
         await start(gateway)
-        client = sdk(gateway)
         headers = {"x-request-id": "client-retry-7"}
-        ids = [
-            await one_call(client, "first use of the id", stream=False, headers=headers),
-            await one_call(client, "second use of the id", stream=True, headers=headers),
-        ]
+        async with sdk(gateway) as client:
+            ids = [
+                await one_call(client, "first use of the id", stream=False, headers=headers),
+                await one_call(client, "second use of the id", stream=True, headers=headers),
+            ]
 
         async def both_stored() -> bool:
             return len(await stored_calls(database_url)) >= 2

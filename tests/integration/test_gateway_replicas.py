@@ -27,14 +27,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai import AsyncOpenAI
+from openai._legacy_response import LegacyAPIResponse
+from openai.types.chat import ChatCompletion
 
 from gateway.commands.serve_process import GatewayProcess
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy
 from tests.support.child_gateway import kill as child_kill
-from tests.support.child_gateway import replica_set
+from tests.support.child_gateway import replica_set, sdk_chat
 from tests.support.child_gateway import start as child_start
 from tests.support.polling import wait_until_async
 from tests.support.postgres import PostgresServer
@@ -58,9 +59,9 @@ class Cluster:
     database_url: str
     data_dir: Path
 
-    def sdk(self, index: int) -> AsyncOpenAI:
-        gateway = self.gateways[index % REPLICAS]
-        return AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=60)
+    async def chat(self, index: int, **request: Any) -> LegacyAPIResponse[ChatCompletion]:
+        """A chat call to replica `index % REPLICAS` through the SDK: its raw response."""
+        return await sdk_chat(self.gateways[index % REPLICAS], **request)
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.gateways[0].admin_key}"}
@@ -134,11 +135,10 @@ def test_a_replica_killed_beside_another_on_its_data_directory_loses_nothing(
     second.env["KAIZEN_CAPTURE_FLUSH_MS"] = "5"
 
     async def calls(gateway: GatewayProcess, count: int) -> list[str]:
-        client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=60)
         ids = []
         for n in range(count):
-            raw = await client.chat.completions.with_raw_response.create(
-                model="scripted-1", messages=[{"role": "user", "content": f"kept in the log {n}"}]
+            raw = await sdk_chat(
+                gateway, model="scripted-1", messages=[{"role": "user", "content": f"kept in the log {n}"}]
             )
             ids.append(raw.headers["x-request-id"])
         return ids
@@ -174,9 +174,7 @@ def test_a_conversation_across_replicas_is_one_episode(cluster: Cluster) -> None
         messages: list[Any] = [{"role": "user", "content": f"conversation {number} ({kind}), turn 0"}]
         calls, episodes = [], []
         for turn in range(TURNS):
-            raw = await cluster.sdk(number + turn).chat.completions.with_raw_response.create(
-                model="scripted-1", messages=messages
-            )
+            raw = await cluster.chat(number + turn, model="scripted-1", messages=messages)
             reply = raw.parse().choices[0].message
             calls.append(raw.headers["x-request-id"])
             episodes.append(raw.headers["x-episode-id"])
@@ -229,8 +227,8 @@ def test_feedback_sent_to_any_replica_reaches_the_call(cluster: Cluster) -> None
     async def scenario() -> dict[str, str]:
         episodes = {}
         for index in range(REPLICAS * 2):
-            raw = await cluster.sdk(index).chat.completions.with_raw_response.create(
-                model="scripted-1", messages=[{"role": "user", "content": f"rate me {index}"}]
+            raw = await cluster.chat(
+                index, model="scripted-1", messages=[{"role": "user", "content": f"rate me {index}"}]
             )
             call = raw.headers["x-request-id"]
             episodes[call] = raw.headers["x-episode-id"]
@@ -286,8 +284,8 @@ def test_a_promotion_through_one_replica_is_served_by_all(cluster: Cluster) -> N
         await database.dispose()
 
     async def served(index: int) -> str:
-        raw = await cluster.sdk(index).chat.completions.with_raw_response.create(
-            model="bot", messages=[{"role": "user", "content": "which version?"}], max_tokens=2
+        raw = await cluster.chat(
+            index, model="bot", messages=[{"role": "user", "content": "which version?"}], max_tokens=2
         )
         return raw.headers["x-kaizen-model"]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai import AsyncOpenAI
 from sqlalchemy import text
 
 from gateway.commands.serve_process import GatewayProcess
@@ -24,7 +23,7 @@ from migrations import runner
 from migrations.runner import MigrationRefused, upgrade_database
 from storage.database import Database
 from tests.conftest import query
-from tests.support.child_gateway import upstream_gateway
+from tests.support.child_gateway import sdk_chat, upstream_gateway
 from tests.support.polling import wait_until
 from tests.support.postgres import PostgresServer
 from tests.support.scripted_upstream import ScriptedUpstream
@@ -221,9 +220,8 @@ def refused_start(gateway: GatewayProcess) -> str:
 
 
 async def call(gateway: GatewayProcess) -> str:
-    client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=30)
-    raw = await client.chat.completions.with_raw_response.create(
-        model="scripted-1", messages=[{"role": "user", "content": "served by older code"}]
+    raw = await sdk_chat(
+        gateway, model="scripted-1", messages=[{"role": "user", "content": "served by older code"}]
     )
     assert raw.parse().choices[0].message.content == "echo: served by older code"
     return raw.headers["x-request-id"]

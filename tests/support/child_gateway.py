@@ -7,6 +7,11 @@ import asyncio
 import secrets
 import signal
 from pathlib import Path
+from typing import Any
+
+from openai import AsyncOpenAI
+from openai._legacy_response import LegacyAPIResponse
+from openai.types.chat import ChatCompletion
 
 from gateway.commands.serve_process import GatewayProcess
 from tests.support import proc_stats
@@ -29,6 +34,23 @@ def upstream_gateway(
     }
     # The base model is not used by the upstream engine; the scripted upstream's model name keeps it honest.
     return GatewayProcess(data_dir, "scripted-1", data_dir / "gateway.log", env)
+
+
+def sdk(gateway: GatewayProcess, **options: Any) -> AsyncOpenAI:
+    """The OpenAI SDK's async client on the gateway, no retries. Close it (`async with`, `close()`) in the loop
+    that used it: one left to the garbage collector has its close scheduled on the loop of whichever thread runs
+    the collection, such as a scripted upstream's, and that close of this loop's sockets from another thread
+    can leave a later call unanswered until its timeout."""
+    return AsyncOpenAI(
+        base_url=gateway.url + "/v1", api_key=gateway.api_key, **{"max_retries": 0, "timeout": 60, **options}
+    )
+
+
+async def sdk_chat(gateway: GatewayProcess, **request: Any) -> LegacyAPIResponse[ChatCompletion]:
+    """One non-streamed chat call through the SDK on a client of its own, closed before returning: the raw
+    response, read whole (`.headers`, `.parse()`)."""
+    async with sdk(gateway) as client:
+        return await client.chat.completions.with_raw_response.create(**request)
 
 
 async def start(gateway: GatewayProcess, timeout_s: float = 60) -> None:
