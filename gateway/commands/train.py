@@ -121,8 +121,16 @@ def train_command(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         pass  # it died at once: its exit status tells
     try:
-        return child.wait()
+        status = child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGTERM)
         child.wait()
         raise
+    if status < 0:  # killed before it could record its run, which stays `running` and holds the policy's lock
+        log.error(
+            "the training process was killed by %s; the policy's next job marks its run failed once the "
+            "run's lock has expired",
+            signal.Signals(-status).name,
+        )
+        return 128 - status
+    return status

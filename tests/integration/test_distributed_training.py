@@ -156,3 +156,30 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", "interrupted"), stopped.output[-4000:]
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+
+
+def test_a_killed_torchrun_takes_its_trainers_with_it(tmp_path: Path, embedded_model: Path) -> None:
+    """SIGKILL to torchrun alone: the OOM killer's pick, or the end of a stop that took too long (the scheduler
+    then kills the child's process group). torchrun starts each trainer in a session of its own, so neither
+    reaches them; each asked Linux for a SIGKILL when torchrun dies, instead of training on (or waiting in a
+    collective for hours) with nothing left to stop it."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
+    asyncio.run(setup_policy(url, embedded_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
+        {
+            **env,
+            "KAIZEN_DATABASE_URL": url,
+            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
+            "KAIZEN_TRAIN_PROCESSES": "2",
+            "KAIZEN_TRAIN_SAMPLER": "local",
+        },
+        signal.SIGKILL,
+        tmp_path / "train.log",
+        start_timeout_s=400,
+        victim="trainer.learner.torchrun",
+    )
+    # No trainer is left (stop_mid_run fails the test otherwise); `kaizen train` says what became of its child.
+    assert stopped.returncode == 128 + signal.SIGKILL, stopped.output[-4000:]
+    assert "the training process was killed by SIGKILL" in stopped.output, stopped.output[-4000:]

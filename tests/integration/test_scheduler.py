@@ -319,7 +319,7 @@ import os, subprocess, time, urllib.request
 
 asyncio.run(record())
 urllib.request.urlopen(sys.argv[3]).read()
-# A rank as torchrun starts one, which does not stop on SIGTERM: only a SIGKILL to the group ends it.
+# A process that does not stop on SIGTERM (a trainer stuck in a collective): only a SIGKILL to the group ends it.
 rank = subprocess.Popen(
     [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"]
 )

@@ -1,9 +1,12 @@
 """`python -m trainer.learner.torchrun`, the launcher of training on several processes: a run that ends by itself exits
 with its trainer's status, and one stopped by a signal with 128 + the signal's number after one log line, with
-every process it started stopped; neither prints torchrun's traceback."""
+every process it started stopped; neither prints torchrun's traceback. A launcher killed outright takes its
+processes with it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -14,18 +17,22 @@ import pytest
 from tests.support.polling import wait_until
 from tests.support.proc_stats import running
 from tests.support.stopping import default_sigint
+from trainer.learner.torchrun import LAUNCHER_PID
 
 # torchrun (it imports torch) and its processes, stopped by signals: `make test-fast` leaves this module out.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: A training process stand-in: says it started (with its pid), then exits with the status it is given or waits
-#: for a signal, which it takes as `python -m trainer.learner` does (no traceback of its own).
+#: A training process stand-in: asks to die with torchrun and says it started (with its pid), then exits with the
+#: status it is given or waits for a signal, which it takes as `python -m trainer.learner` does (no traceback of
+#: its own).
 WORKER = """
 import os, sys, time
 from pathlib import Path
+from trainer.learner.torchrun import die_with_launcher
 
+die_with_launcher()
 Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
 if len(sys.argv) > 2:
     status = int(sys.argv[2])
@@ -58,20 +65,25 @@ def launch(tmp_path: Path, *worker_args: str) -> subprocess.Popen[str]:
     )
 
 
+def started_workers(tmp_path: Path, launcher: subprocess.Popen[str]) -> list[int]:
+    """The pids of both training processes, once they said they started."""
+    started = tmp_path / "started"
+    wait_until(
+        lambda: len(list(started.iterdir())) == 2 or launcher.poll() is not None,
+        "both processes to start",
+        timeout_s=120,
+    )
+    assert launcher.poll() is None
+    return [int(path.read_text()) for path in started.iterdir()]
+
+
 @pytest.mark.parametrize(
     "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["sigterm", "ctrl-c", "parent-death-signal"]
 )
 def test_a_signal_stops_every_process_and_ends_in_a_log_line(tmp_path: Path, signum: signal.Signals) -> None:
     launcher = launch(tmp_path)
     try:
-        started = tmp_path / "started"
-        wait_until(
-            lambda: len(list(started.iterdir())) == 2 or launcher.poll() is not None,
-            "both processes to start",
-            timeout_s=120,
-        )
-        assert launcher.poll() is None
-        workers = [int(path.read_text()) for path in started.iterdir()]
+        workers = started_workers(tmp_path, launcher)
         launcher.send_signal(signum)
         output, _ = launcher.communicate(timeout=120)
     finally:
@@ -101,3 +113,41 @@ def test_a_run_that_ends_by_itself_exits_with_its_trainers_status(
     assert "Traceback" not in output, output[-4000:]
     if status != 0:
         assert "Root Cause (first observed failure)" in output, output[-4000:]
+
+
+def test_a_killed_launcher_takes_its_processes_with_it(tmp_path: Path) -> None:
+    """torchrun starts each process in a session of its own, out of reach of a SIGKILL to its group: each gets a
+    SIGKILL from Linux when torchrun dies instead (`die_with_launcher`)."""
+    launcher = launch(tmp_path)
+    workers: list[int] = []
+    try:
+        workers = started_workers(tmp_path, launcher)
+        assert {os.getsid(pid) for pid in workers}.isdisjoint({os.getsid(launcher.pid)})
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
+        wait_until(
+            lambda: not any(running(pid) for pid in workers), "the training processes to exit", timeout_s=30
+        )
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in workers:  # what a failure left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_process_whose_launcher_is_already_gone_ends_at_once() -> None:
+    """torchrun may die between starting a process and the process's request: it then ends by itself."""
+    code = "from trainer.learner.torchrun import die_with_launcher; die_with_launcher(); print('alive')"
+    for launcher_pid, expected in ((os.getpid(), 0), (1, -signal.SIGKILL)):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, LAUNCHER_PID: str(launcher_pid)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == expected, done.stderr
+        assert ("alive" in done.stdout) == (expected == 0)

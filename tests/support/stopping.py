@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from tests.support.polling import wait_until
 from tests.support.proc_stats import processes_with
 
@@ -58,11 +60,13 @@ def stop_mid_run(
     start_timeout_s: float = 240,
     stdin: bytes | None = None,
     times: int = 1,
+    victim: str | None = None,
 ) -> Stopped:
     """Start `argv` in a session of its own (its output to `log_path`, `stdin` on its input), wait for its first
     optimizer step in `steps_log` (default: its own output), send it `signum` (`times` times, 50 ms apart), and
     wait for it and for every process that shares its `KAIZEN_DATA_DIR` to exit; whatever is left is killed and
-    fails the test."""
+    fails the test. `victim`: the signal goes to the first process it started whose command line holds this
+    instead."""
     steps = steps_log or log_path
     marker = f"KAIZEN_DATA_DIR={env['KAIZEN_DATA_DIR']}"
     with log_path.open("wb") as log:
@@ -87,10 +91,13 @@ def stop_mid_run(
             timeout_s=start_timeout_s,
         )
         assert process.poll() is None, log_path.read_text()[-4000:]
+        target = psutil.Process(process.pid)
+        if victim is not None:
+            [target, *_] = [p for p in target.children(recursive=True) if victim in " ".join(p.cmdline())]
         for sent in range(times):
             if sent:
                 time.sleep(0.05)  # apart, so that the signals are not merged into one while pending
-            process.send_signal(signum)
+            target.send_signal(signum)
         process.wait(timeout=180)
         wait_until(lambda: not processes_with(marker), "every process it started to exit", timeout_s=60)
     finally:

@@ -6,14 +6,26 @@ Two of torchrun's ends are not crashes of the launcher, yet plain torchrun print
 - a trainer that exits non-zero, as `python -m trainer.learner` does (3) when its run was skipped or failed. Here
   torchrun's summary of the failed processes is logged and the command exits with the status of rank 0 (the
   run), so a run on several processes exits as the same run on one process would.
+
+torchrun starts every trainer in a session of its own, so a SIGKILL to torchrun's process group (the end of a
+stop that took too long) does not reach them, and nothing stops them once torchrun is gone: they would train on,
+or wait for hours in a collective, holding their GPUs. So each trainer it starts here asks Linux for a SIGKILL
+when torchrun dies (`die_with_launcher`). A torchrun of one's own (several machines) keeps its own ways.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
 import sys
 
 log = logging.getLogger("trainer.learner.torchrun")  # also when run as __main__
+
+#: torchrun's process id, in the environment of the trainers it starts here.
+LAUNCHER_PID = "KAIZEN_TORCHRUN_PID"
+_PR_SET_PDEATHSIG = 1
 
 
 def main() -> int:
@@ -22,6 +34,7 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     try:
         torchrun_main()
     except SignalException as stop:
@@ -32,6 +45,20 @@ def main() -> int:
         code = (failed.failures.get(0) or failed.get_first_failure()[1]).exitcode  # non-zero; -n: killed by n
         return 128 - code if code < 0 else code
     return 0
+
+
+def die_with_launcher() -> None:
+    """In a trainer started by `main`: be SIGKILLed when torchrun dies (Linux; elsewhere nothing changes). A
+    trainer whose torchrun died before it asked ends at once."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from trainer.control.training_job import BAD_JOB, NO_CANDIDATE, TrainingJob, dec
 from trainer.learner.engine_sampling import EngineEndpoint
 from trainer.learner.grouping import PolicyReplyScorer
 from trainer.learner.job import TrainOutcome, TrainRequest, run_training
+from trainer.learner.torchrun import die_with_launcher
 
 if TYPE_CHECKING:
     from trainer.learner.distributed import Followers
@@ -90,6 +91,7 @@ def configure_logging(level: str) -> None:
 
 def main() -> int:
     """Read the job (rank 0) and run it; see the module docstring for the exit statuses."""
+    die_with_launcher()
     ranks = ranks_from_environment()
     if ranks is not None and not ranks.main:
         configure_logging("info")
