@@ -19,7 +19,7 @@ from storage.jobs import list_runs
 from storage.policies import get_policy, list_adapters
 from tests.integration.test_train_command import POLICY, TRAIN, setup_policy
 from tests.support.sql import fetch_rows
-from tests.support.stopping import stop_mid_run
+from tests.support.stopping import Stopped, stop_mid_run
 
 # Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
 pytestmark = pytest.mark.serial
@@ -127,12 +127,11 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, embedd
     assert asyncio.run(outcome())[1] == ["skipped", "succeeded"]
 
 
-def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed(
-    tmp_path: Path, embedded_model: Path
-) -> None:
-    """SIGTERM to `kaizen train` alone (a container's main process, as Kubernetes stops it) is passed on to
-    torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left, and
-    every process ends in a log line rather than a traceback."""
+def stop_two_process_run(
+    tmp_path: Path, embedded_model: Path, signum: signal.Signals, victim: str | None = None
+) -> tuple[Stopped, str]:
+    """`kaizen train` of a long run on two processes, sent `signum` at its first step (`victim`: see
+    `stop_mid_run`): how it ended, and the database's URL."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     asyncio.run(setup_policy(url, embedded_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
@@ -145,10 +144,21 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
             "KAIZEN_TRAIN_PROCESSES": "2",
             "KAIZEN_TRAIN_SAMPLER": "local",
         },
-        signal.SIGTERM,
+        signum,
         tmp_path / "train.log",
         start_timeout_s=400,
+        victim=victim,
     )
+    return stopped, url
+
+
+def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """SIGTERM to `kaizen train` alone (a container's main process, as Kubernetes stops it) is passed on to
+    torchrun, which stops both trainers: rank 0 records the run failed and frees the policy, none is left, and
+    every process ends in a log line rather than a traceback."""
+    stopped, url = stop_two_process_run(tmp_path, embedded_model, signal.SIGTERM)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-4000:]
     assert stopped.output.count("training stopped by SIGTERM") == 2, stopped.output[-4000:]  # both ranks
     assert "torchrun stopped by SIGTERM" in stopped.output, stopped.output[-4000:]
@@ -163,23 +173,7 @@ def test_a_killed_torchrun_takes_its_trainers_with_it(tmp_path: Path, embedded_m
     then kills the child's process group). torchrun starts each trainer in a session of its own, so neither
     reaches them; each asked Linux for a SIGKILL when torchrun dies, instead of training on (or waiting in a
     collective for hours) with nothing left to stop it."""
-    url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    asyncio.run(setup_policy(url, embedded_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
-    stopped = stop_mid_run(
-        [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
-        {
-            **env,
-            "KAIZEN_DATABASE_URL": url,
-            "KAIZEN_DATA_DIR": str(tmp_path / "data"),
-            "KAIZEN_TRAIN_PROCESSES": "2",
-            "KAIZEN_TRAIN_SAMPLER": "local",
-        },
-        signal.SIGKILL,
-        tmp_path / "train.log",
-        start_timeout_s=400,
-        victim="trainer.learner.torchrun",
-    )
+    stopped, _ = stop_two_process_run(tmp_path, embedded_model, signal.SIGKILL, "trainer.learner.torchrun")
     # No trainer is left (stop_mid_run fails the test otherwise); `kaizen train` says what became of its child.
     assert stopped.returncode == 128 + signal.SIGKILL, stopped.output[-4000:]
     assert "the training process was killed by SIGKILL" in stopped.output, stopped.output[-4000:]
