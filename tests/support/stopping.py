@@ -93,7 +93,9 @@ def stop_mid_run(
         assert process.poll() is None, log_path.read_text()[-4000:]
         target = psutil.Process(process.pid)
         if victim is not None:
-            [target, *_] = [p for p in target.children(recursive=True) if victim in " ".join(p.cmdline())]
+            matching = [p for p in target.children(recursive=True) if victim in " ".join(p.cmdline())]
+            assert matching, f"no process started by {argv[:4]} runs {victim!r}"
+            target = matching[0]
         for sent in range(times):
             if sent:
                 time.sleep(0.05)  # apart, so that the signals are not merged into one while pending
