@@ -36,14 +36,12 @@ def upstream_gateway(
     return GatewayProcess(data_dir, "scripted-1", data_dir / "gateway.log", env)
 
 
-def sdk(gateway: GatewayProcess, **options: Any) -> AsyncOpenAI:
+def sdk(gateway: GatewayProcess) -> AsyncOpenAI:
     """The OpenAI SDK's async client on the gateway, no retries. Close it (`async with`, `close()`) in the loop
     that used it: one left to the garbage collector has its close scheduled on the loop of whichever thread runs
     the collection, such as a scripted upstream's, and that close of this loop's sockets from another thread
     can leave a later call unanswered until its timeout."""
-    return AsyncOpenAI(
-        base_url=gateway.url + "/v1", api_key=gateway.api_key, **{"max_retries": 0, "timeout": 60, **options}
-    )
+    return AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=60)
 
 
 async def sdk_chat(gateway: GatewayProcess, **request: Any) -> LegacyAPIResponse[ChatCompletion]:
