@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: Runs first in the child's interpreter: ask Linux for a signal (argv[2]) when the parent dies, even by SIGKILL
 #: (the request survives the exec), with its default action (an ignored signal stays ignored through the exec, and
 #: `nohup` ignores SIGHUP), stop if the parent is already gone, then exec the child's command unchanged. Source,
-#: not a module: vLLM's interpreter cannot import ours.
+#: not a module: vLLM's interpreter cannot import ours (`die_with_parent` is the same request, for our own code).
 _DIE_WITH_PARENT = """
 import ctypes, os, signal, sys
 signal.signal(int(sys.argv[2]), signal.SIG_DFL)
@@ -44,6 +45,22 @@ def own_modules_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
 
 
+#: prctl's option for the parent-death signal (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, signum: signal.Signals) -> None:
+    """Ask Linux for `signum` when this process's parent dies (elsewhere nothing changes), and take it at once if
+    the parent is no longer `parent_pid`: for a process of ours that another program started (torchrun's
+    trainers); those we start ourselves ask before they exec (`dying_with_parent`)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum))
+    except (AttributeError, OSError):
+        return
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signum)
+
+
 def dying_with_parent(command: Sequence[str], signum: signal.Signals = signal.SIGTERM) -> list[str]:
     """`command` (a Python interpreter and its arguments) started so that it gets `signum` when this process dies
     (Linux; elsewhere it runs unchanged): for children that would otherwise outlive a SIGKILLed parent. Spawn it
@@ -59,7 +76,8 @@ def signal_group(pgid: int, signum: int) -> None:
 
 async def stop_group(process: asyncio.subprocess.Process, grace_s: float) -> None:
     """SIGTERM to the child's process group, then, after `grace_s`, SIGKILL to what is left of it: a SIGKILL to
-    the child alone would leave the processes it started (torchrun's ranks, vLLM's engine core) running."""
+    the child alone would leave the processes it started (vLLM's engine core) running. torchrun's ranks, in
+    sessions of their own, die with torchrun (`trainer.learner.torchrun`)."""
     signal_group(process.pid, signal.SIGTERM)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(process.wait()), grace_s)

@@ -15,17 +15,17 @@ when torchrun dies (`die_with_launcher`). A torchrun of one's own (several machi
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import sys
 
+from trainer.control.child_processes import die_with_parent
+
 log = logging.getLogger("trainer.learner.torchrun")  # also when run as __main__
 
 #: torchrun's process id, in the environment of the trainers it starts here.
 LAUNCHER_PID = "KAIZEN_TORCHRUN_PID"
-_PR_SET_PDEATHSIG = 1
 
 
 def main() -> int:
@@ -51,14 +51,8 @@ def die_with_launcher() -> None:
     """In a trainer started by `main`: be SIGKILLed when torchrun dies (Linux; elsewhere nothing changes). A
     trainer whose torchrun died before it asked ends at once."""
     launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is None:
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (AttributeError, OSError):
-        return
-    if os.getppid() != int(launcher):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if launcher is not None:
+        die_with_parent(int(launcher), signal.SIGKILL)
 
 
 if __name__ == "__main__":
