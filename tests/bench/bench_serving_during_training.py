@@ -1,8 +1,8 @@
 """Latency of live calls while a training run trains beside them, against the same calls with no run.
 
 For each variant (``--variant 'NAME:KEY=VALUE;KEY=VALUE'``: settings and other environment variables of its
-gateway, which its vLLM and training child inherit; by default one, ``shared``, with none), one real `kaizen serve` (vLLM with the embedded model, SQLite, its own scheduler), one after the
-other:
+gateway, which its vLLM and training child inherit; by default one, ``shared``, with none), one real `kaizen
+serve` (vLLM with the embedded model, SQLite, its own scheduler), one after the other:
 
 1. a policy whose `train` section groups episodes by `metadata.group_key`, so a run's load is the update alone
    (no resampling), with collapse checks cut to one small one at the end;
