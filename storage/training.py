@@ -202,10 +202,12 @@ ABANDONED_RUN_ERROR = (
 )
 
 
-async def fail_abandoned_runs(session: AsyncSession, policy_id: int) -> list[int]:
-    """Mark failed the policy's runs still `running`: called by a job that holds the policy's lock, so no live job
-    can own them; a SIGKILLed gateway or training child leaves its run `running` for ever otherwise (and the
-    dashboard shows it training). Returns their ids; the caller commits."""
+async def fail_abandoned_runs(
+    session: AsyncSession, policy_id: int, error: str = ABANDONED_RUN_ERROR
+) -> list[int]:
+    """Mark failed, with `error`, the policy's runs still `running`: called by a job that holds the policy's lock,
+    so no live job can own them; a SIGKILLed gateway or training child leaves its run `running` for ever otherwise
+    (and the dashboard shows it training). Returns their ids; the caller commits."""
     ids = list(
         (
             await session.scalars(
@@ -219,7 +221,7 @@ async def fail_abandoned_runs(session: AsyncSession, policy_id: int) -> list[int
         await session.execute(
             update(TrainingRun)
             .where(TrainingRun.id.in_(ids))
-            .values(status="failed", error=ABANDONED_RUN_ERROR, finished_at=datetime.now(UTC))
+            .values(status="failed", error=error, finished_at=datetime.now(UTC))
         )
     return ids
 

@@ -5,6 +5,10 @@ It starts exactly the training child the scheduler starts (`python -m trainer.le
 0 when a candidate version was written, 3 when the run was skipped or failed. The candidate is not gated or
 promoted (`kaizen policy promote`, or let the schedule's run do it). `--print-job` prints the job instead, for
 launchers of one's own (several machines through torchrun: docker/train-*.yaml).
+
+It holds the policy's job lock for its child, as the scheduler does: a child killed before it could record its
+run (the out-of-memory killer's pick) leaves the run for this process to mark failed and the lock for it to
+release, at once, instead of a run `running` until the policy's next job and a policy locked for `lock_ttl_s`.
 """
 
 from __future__ import annotations
@@ -16,9 +20,17 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from gateway.commands.options import add_common_options, configure_logging, load_settings, parse_since
 from trainer.control.child_processes import PARENT_DEATH_SIGNAL, dying_with_parent
+
+if TYPE_CHECKING:
+    from storage.policies import PolicyInfo
+    from trainer.control.training_job import TrainingJob
 
 log = logging.getLogger("kaizen")
 
@@ -72,9 +84,11 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 def train_command(args: argparse.Namespace) -> int:
     from gateway.scheduling import runner_config
     from migrations.runner import open_database
-    from storage.policies import PolicyInfo, get_policy
+    from storage.locks import lock_owner
+    from storage.policies import get_policy
     from trainer.control.policy_config import load_policy_config
     from trainer.control.scheduler import OwnerUnreachable, TrainOptions
+    from trainer.control.training_job import NO_CANDIDATE
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
@@ -94,9 +108,15 @@ def train_command(args: argparse.Namespace) -> int:
     if policy is None:
         log.error("no policy named %r", args.policy)
         return 2
+    owner = lock_owner()
     try:
         job = config.training_job(
-            args.policy, config.base_model_path(policy.base_model), options, project=policy.project
+            args.policy,
+            config.base_model_path(policy.base_model),
+            options,
+            # A launcher of one's own runs the printed job: its trainer takes the policy's lock itself.
+            lock_owner=None if args.print_job else owner,
+            project=policy.project,
         )
     except OwnerUnreachable as exc:
         log.error("%s", exc)
@@ -104,13 +124,32 @@ def train_command(args: argparse.Namespace) -> int:
     if args.print_job:
         sys.stdout.buffer.write(job.encode())
         return 0
-    # In a session of its own, the child hears of a stop only from here, and once: a terminal's Ctrl-C and a
-    # supervisor's SIGTERM both reach this process as KeyboardInterrupt and are passed on as one SIGTERM, which
-    # the trainer (or torchrun, to every trainer) takes as a stop: the run is recorded failed. Should this process
-    # be SIGKILLed, the child gets its parent-death signal instead of training on where no Ctrl-C reaches it.
+    ttl_s = load_policy_config(policy.config, train_overrides=overrides).train.lock_ttl_s
+    if not asyncio.run(_take_lock(settings.database_url, policy, owner, ttl_s)):
+        log.error("another job of policy %r is running", args.policy)
+        return NO_CANDIDATE
+    status: int | None = None
+    try:
+        with _lock_kept(settings.database_url, policy.name, owner, ttl_s):
+            status = _run_child(config.train_command, config.train_environment(), job)
+    finally:
+        asyncio.run(_settle(settings.database_url, policy, owner, ttl_s, status))
+    if status < 0:
+        log.error("the training process was killed by %s", signal.Signals(-status).name)
+        return 128 - status
+    return status
+
+
+def _run_child(command: Sequence[str], env: dict[str, str] | None, job: TrainingJob) -> int:
+    """Run the training child with `job` on its stdin and return its exit status (negative: killed by a signal).
+
+    In a session of its own, the child hears of a stop only from here, and once: a terminal's Ctrl-C and a
+    supervisor's SIGTERM both reach this process as KeyboardInterrupt and are passed on as one SIGTERM, which
+    the trainer (or torchrun, to every trainer) takes as a stop: the run is recorded failed. Should this process
+    be SIGKILLed, the child gets its parent-death signal instead of training on where no Ctrl-C reaches it."""
     child = subprocess.Popen(
-        dying_with_parent(config.train_command, PARENT_DEATH_SIGNAL),
-        env=config.train_environment(),
+        dying_with_parent(command, PARENT_DEATH_SIGNAL),
+        env=env,
         stdin=subprocess.PIPE,
         start_new_session=True,
     )
@@ -121,16 +160,73 @@ def train_command(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         pass  # it died at once: its exit status tells
     try:
-        status = child.wait()
+        return child.wait()
     except KeyboardInterrupt:
         child.send_signal(signal.SIGTERM)
         child.wait()
         raise
-    if status < 0:  # killed before it could record its run, which stays `running` and holds the policy's lock
-        log.error(
-            "the training process was killed by %s; the policy's next job marks its run failed once the "
-            "run's lock has expired",
-            signal.Signals(-status).name,
-        )
-        return 128 - status
-    return status
+
+
+async def _take_lock(database_url: str, policy: PolicyInfo, owner: str, ttl_s: float) -> bool:
+    """Take the policy's job lock for the child, and mark failed the runs a dead job left `running` (the child,
+    under a lock it inherits, leaves that to its parent)."""
+    from migrations.runner import open_database
+    from storage.locks import acquire_lock
+    from storage.training import fail_abandoned_runs
+
+    async with open_database(database_url, migrate=False) as database, database.session() as session:
+        if not await acquire_lock(session, policy.name, owner, "train", ttl_s):
+            return False
+        if abandoned := await fail_abandoned_runs(session, policy.id):
+            log.warning("runs %s were left running by a process that died; marked failed", abandoned)
+        await session.commit()
+    return True
+
+
+@contextmanager
+def _lock_kept(database_url: str, key: str, owner: str, ttl_s: float) -> Iterator[None]:
+    """Renew the job lock from a thread of its own while the body runs: the child renews it too once it runs, but
+    not while it starts (torch's import, torchrun's rendezvous)."""
+    from migrations.runner import open_database
+    from storage.locks import heartbeat
+
+    done = threading.Event()
+
+    async def keep() -> None:
+        async with (
+            open_database(database_url, migrate=False) as database,
+            heartbeat(database, key, owner, ttl_s),
+        ):
+            await asyncio.to_thread(done.wait)
+
+    keeper = threading.Thread(target=asyncio.run, args=(keep(),), name="job-lock-heartbeat", daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        keeper.join()
+
+
+async def _settle(
+    database_url: str, policy: PolicyInfo, owner: str, ttl_s: float, status: int | None
+) -> None:
+    """After the child: a run it left `running` was not recorded (it was killed, or crashed before it could), so
+    it is marked failed with what the child died of; then the lock is released. Only while the lock is still
+    this process's: otherwise another job may own the runs that are `running` now."""
+    from migrations.runner import open_database
+    from storage.locks import release_lock, renew_lock
+    from storage.training import fail_abandoned_runs
+    from trainer.control.training_job import exit_error
+
+    async with open_database(database_url, migrate=False) as database, database.session() as session:
+        if not await renew_lock(session, policy.name, owner, ttl_s):
+            log.warning(
+                "the job lock of policy %r was taken over; its runs are left as they are", policy.name
+            )
+            return
+        error = exit_error(status) if status is not None else "interrupted"
+        if abandoned := await fail_abandoned_runs(session, policy.id, error):
+            log.error("run(s) %s of %s recorded no outcome; marked failed: %s", abandoned, policy.name, error)
+        await session.commit()
+        await release_lock(session, policy.name, owner)

@@ -17,7 +17,7 @@ import torch
 from storage.database import Database
 from storage.jobs import list_runs
 from storage.policies import get_policy, list_adapters
-from tests.integration.test_train_command import POLICY, TRAIN, setup_policy
+from tests.integration.test_train_command import PARENT_DIED, POLICY, TRAIN, setup_policy
 from tests.support.sql import fetch_rows
 from tests.support.stopping import Stopped, stop_mid_run
 
@@ -168,12 +168,29 @@ def test_kaizen_train_on_two_processes_stopped_by_sigterm_records_the_run_failed
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
+def test_a_sigkilled_kaizen_train_on_two_processes_frees_the_policy(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """SIGKILL to `kaizen train` alone, which holds the policy's lock its trainers run under: torchrun gets its
+    parent-death signal and hands it to both trainers, so rank 0 records that the process that started the run
+    died and releases the lock its dead parent cannot, and no process is left."""
+    stopped, url = stop_two_process_run(tmp_path, embedded_model, signal.SIGKILL)
+    assert stopped.returncode == -signal.SIGKILL, stopped.output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", PARENT_DIED), stopped.output[-4000:]
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+
+
 def test_a_killed_torchrun_takes_its_trainers_with_it(tmp_path: Path, embedded_model: Path) -> None:
     """SIGKILL to torchrun alone: the OOM killer's pick, or the end of a stop that took too long (the scheduler
     then kills the child's process group). torchrun starts each trainer in a session of its own, so neither
     reaches them; each asked Linux for a SIGKILL when torchrun dies, instead of training on (or waiting in a
-    collective for hours) with nothing left to stop it."""
-    stopped, _ = stop_two_process_run(tmp_path, embedded_model, signal.SIGKILL, "trainer.learner.torchrun")
+    collective for hours) with nothing left to stop it. `kaizen train` records the run that rank 0 could not
+    and frees the policy at once."""
+    stopped, url = stop_two_process_run(tmp_path, embedded_model, signal.SIGKILL, "trainer.learner.torchrun")
     # No trainer is left (stop_mid_run fails the test otherwise); `kaizen train` says what became of its child.
     assert stopped.returncode == 128 + signal.SIGKILL, stopped.output[-4000:]
     assert "the training process was killed by SIGKILL" in stopped.output, stopped.output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", "training process killed by SIGKILL")
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []

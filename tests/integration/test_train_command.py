@@ -17,13 +17,14 @@ import pytest
 
 from migrations.runner import upgrade_database
 from storage.database import Database
+from storage.locks import acquire_lock
 from storage.policies import create_policy, get_policy, list_adapters
 from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from trainer.control.ruler import JudgeSettings
 from trainer.control.run_logs import run_log_path
-from trainer.control.training_job import BAD_JOB, TrainingJob
+from trainer.control.training_job import BAD_JOB, NO_CANDIDATE, TrainingJob, exit_error
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "by-hand"
@@ -249,7 +250,8 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
     """A SIGKILL to the process whose scheduler started a training child (here `kaizen worker --once`, as a
     gateway's does) reaches the child as its parent-death signal, from Linux. The run is recorded failed as
     interrupted because that process died, not as if someone had stopped the run, and the child's lines about
-    it, which its dead parent can no longer copy, reach the policy's log all the same."""
+    it, which its dead parent can no longer copy, reach the policy's log all the same; and it frees the policy's
+    lock, which its dead parent can no longer release, at once."""
     url, data, env = _long_run(tmp_path, embedded_model)
     policy_log = data / "logs" / f"train-{POLICY}.log"
     stopped = stop_mid_run(
@@ -265,6 +267,7 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
     lines = policy_log.read_text()
     assert f"training run {run['id']} failed: {PARENT_DIED}" in lines, lines[-4000:]
     assert "training stopped by SIGHUP" in lines, lines[-4000:]
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
 @pytest.mark.slow
@@ -285,6 +288,65 @@ def test_a_sigkilled_kaizen_train_takes_its_training_child_with_it(
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
     assert (run["status"], run["error"]) == ("failed", PARENT_DIED)
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+
+
+@pytest.mark.slow
+def test_kaizen_train_records_a_run_whose_child_was_sigkilled_and_frees_the_policy(
+    tmp_path: Path, embedded_model: Path
+) -> None:
+    """The out-of-memory killer picks the training child, not `kaizen train`: the child records nothing, so
+    `kaizen train`, which holds the policy's lock the child trains under, marks the run failed with what killed it
+    and frees the policy at once, instead of leaving the run `running` and the policy locked for `lock_ttl_s`."""
+    url, _, env = _long_run(tmp_path, embedded_model)
+    stopped = stop_mid_run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
+        env,
+        signal.SIGKILL,
+        tmp_path / "command.log",
+        victim="trainer.learner",
+    )
+    assert stopped.returncode == 128 + signal.SIGKILL, stopped.output[-4000:]
+    assert "Traceback" not in stopped.output, stopped.output[-4000:]
+    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
+    assert (run["status"], run["error"]) == ("failed", "training process killed by SIGKILL")
+    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
+
+
+def test_kaizen_train_refuses_a_policy_another_job_holds(tmp_path: Path, embedded_model: Path) -> None:
+    """A policy whose job lock another live job holds is refused before any training process starts: one clear
+    line, exit status 3, no run recorded, and the other job's lock left as it was."""
+    url, _, env = _long_run(tmp_path, embedded_model)
+
+    async def lock_it() -> None:
+        database = Database(url)
+        try:
+            async with database.session() as session:
+                assert await acquire_lock(session, POLICY, "elsewhere:1:job", "judge", ttl_s=600)
+        finally:
+            await database.dispose()
+
+    asyncio.run(lock_it())
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == NO_CANDIDATE, done.stderr[-4000:]
+    assert f"another job of policy '{POLICY}' is running" in done.stderr, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert asyncio.run(fetch_rows(url, "SELECT id FROM training_runs")) == []
+    assert asyncio.run(fetch_rows(url, "SELECT owner FROM job_locks")) == [{"owner": "elsewhere:1:job"}]
+
+
+def test_a_training_child_s_exit_is_said_plainly() -> None:
+    """What a run records when its training child ended without recording it: the signal by name."""
+    assert exit_error(-signal.SIGKILL) == "training process killed by SIGKILL"
+    assert exit_error(1, "Killed") == "training process exited with 1; its log ended:\nKilled"
+    assert exit_error(None) == "training process exited with None"
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from trainer.control.run_logs import RunLog
 from trainer.control.scoring import Scorer
 from trainer.control.shadow_scoring import score_shadow_pairs
 from trainer.control.tools import ToolBox
-from trainer.control.training_job import TrainingJob
+from trainer.control.training_job import TrainingJob, exit_error
 
 logger = logging.getLogger(__name__)
 
@@ -394,7 +393,7 @@ class JobRunner:
                 rc, tail, run_id = await self._run_child(policy, owner, before, announce, log, options)
             finally:
                 await self._engine_sleep(False)
-            error = _exit_error(rc, "".join(tail).strip()[-4000:])
+            error = exit_error(rc, "".join(tail).strip()[-4000:])
             if run_id is None:  # it died before recording a run (bad config, missing model, crash at import)
                 run_id = await self._new_run(policy, "train", trigger)
                 log.attach(run_id)
@@ -902,15 +901,3 @@ class PolicyScheduler:
         if fresh >= threshold:
             logger.info("%s: %d newly rewarded episodes (threshold %d): training", policy, fresh, threshold)
             await self.fire(policy, "train", "threshold")
-
-
-def _exit_error(rc: int | None, tail: str) -> str:
-    """What a training child that recorded no outcome died of, then its last log lines: a run killed by a
-    signal says so, rather than ending on whatever line its log had reached."""
-    if rc is not None and rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"training process killed by {signal.Signals(-rc).name}" + (
-                f"; its log ended:\n{tail}" if tail else ""
-            )
-    status = f"training process exited with {rc}"
-    return f"{status}; its log ended:\n{tail}" if tail else status

@@ -10,6 +10,8 @@ stdin; only rank 0 reads it, the others receive what they need from rank 0.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +23,16 @@ from trainer.control.ruler import JudgeSettings
 NO_CANDIDATE = 3
 #: Exit status of a training child that could not read its job (no or malformed stdin).
 BAD_JOB = 2
+
+
+def exit_error(status: int | None, tail: str = "") -> str:
+    """The error of a run whose training child ended without recording an outcome: what it died of (a signal
+    says so, rather than leaving the reader with whatever line its log had reached), then its last log lines."""
+    said = f"training process exited with {status}"
+    if status is not None and status < 0:
+        with contextlib.suppress(ValueError):
+            said = f"training process killed by {signal.Signals(-status).name}"
+    return f"{said}; its log ended:\n{tail}" if tail else said
 
 
 class TrainingJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,7 +59,8 @@ class TrainingJob(msgspec.Struct, frozen=True, kw_only=True):
     since: datetime | None = None
     #: torch device (default: cuda when available, else cpu).
     device: str | None = None
-    #: The job lock owner the run trains under (the scheduler's job holds the lock); None: take the lock itself.
+    #: The job lock owner the run trains under (its parent holds the lock: the scheduler's job, `kaizen train`);
+    #: None: take the lock itself.
     lock_owner: str | None = None
     log_level: str = "info"
 

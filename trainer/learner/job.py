@@ -3,7 +3,7 @@
 
 This is what ``kaizen train`` runs, in its own process. The policy's job lock (``storage.locks``) keeps it apart
 from every other job of the policy across processes and machines; a heartbeat renews it, and a crashed run's lock
-expires. Started by the scheduler, the run inherits the lock its parent job holds. The new
+expires. Started by the scheduler or by ``kaizen train``, the run inherits the lock its parent holds. The new
 version is written to a temporary directory and renamed into place, and its ``adapters`` row (``candidate``) and
 the ``training_runs`` outcome are committed together, so an interrupted run leaves no half-written version.
 """
@@ -160,9 +160,14 @@ def interrupted_reason(interrupt: SigtermAsCtrlC | None) -> str:
     """What a run stopped by a signal records. A training child's parent-death signal
     (`trainer.control.child_processes`) says that what started it (a gateway, `kaizen worker` or `kaizen train`)
     died: saying so sends the operator to that process, not looking for someone who stopped the run."""
-    if interrupt is not None and interrupt.signal == PARENT_DEATH_SIGNAL:
+    if parent_died(interrupt):
         return f"interrupted: the process that started it died ({PARENT_DEATH_SIGNAL.name})"
     return "interrupted"
+
+
+def parent_died(interrupt: SigtermAsCtrlC | None) -> bool:
+    """Whether the run was stopped by its training child's parent-death signal."""
+    return interrupt is not None and interrupt.signal == PARENT_DEATH_SIGNAL
 
 
 async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
@@ -228,7 +233,9 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
             )
             return outcome
     finally:
-        if not inherited:
+        # An inherited lock is its parent's to release, unless the parent died: then nobody else is left to, and
+        # the policy would stay locked for `lock_ttl_s`.
+        if not inherited or parent_died(request.interrupt):
             async with db.session() as session:
                 await release_lock(session, policy.name, owner)
 
