@@ -213,20 +213,31 @@ async def _settle(
 ) -> None:
     """After the child: a run it left `running` was not recorded (it was killed, or crashed before it could), so
     it is marked failed with what the child died of; then the lock is released. Only while the lock is still
-    this process's: otherwise another job may own the runs that are `running` now."""
+    this process's: otherwise another job may own the runs that are `running` now. A database that cannot be
+    reached is logged, not raised: the command's outcome is the child's, and the policy's next job marks such a
+    run failed once the lock has expired."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from migrations.runner import open_database
     from storage.locks import release_lock, renew_lock
     from storage.training import fail_abandoned_runs
     from trainer.control.training_job import exit_error
 
-    async with open_database(database_url, migrate=False) as database, database.session() as session:
-        if not await renew_lock(session, policy.name, owner, ttl_s):
-            log.warning(
-                "the job lock of policy %r was taken over; its runs are left as they are", policy.name
-            )
-            return
-        error = exit_error(status) if status is not None else "interrupted"
-        if abandoned := await fail_abandoned_runs(session, policy.id, error):
-            log.error("run(s) %s of %s recorded no outcome; marked failed: %s", abandoned, policy.name, error)
-        await session.commit()
-        await release_lock(session, policy.name, owner)
+    try:
+        async with open_database(database_url, migrate=False) as database, database.session() as session:
+            if not await renew_lock(session, policy.name, owner, ttl_s):
+                log.warning(
+                    "the job lock of policy %r was taken over; its runs are left as they are", policy.name
+                )
+                return
+            error = exit_error(status) if status is not None else "interrupted"
+            if abandoned := await fail_abandoned_runs(session, policy.id, error):
+                log.error(
+                    "run(s) %s of %s recorded no outcome; marked failed: %s", abandoned, policy.name, error
+                )
+            await session.commit()
+            await release_lock(session, policy.name, owner)
+    except (SQLAlchemyError, OSError) as exc:
+        log.error(
+            "could not record the end of the training run of %r, nor free the policy: %s", policy.name, exc
+        )

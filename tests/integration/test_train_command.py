@@ -10,15 +10,18 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gateway.commands import train as train_command
 from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.locks import acquire_lock
-from storage.policies import create_policy, get_policy, list_adapters
+from storage.policies import PolicyInfo, create_policy, get_policy, list_adapters
+from tests.support.ports import free_port
 from tests.support.sql import fetch_rows
 from tests.support.stopping import stop_mid_run
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
@@ -340,6 +343,18 @@ def test_kaizen_train_refuses_a_policy_another_job_holds(tmp_path: Path, embedde
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
     assert asyncio.run(fetch_rows(url, "SELECT id FROM training_runs")) == []
     assert asyncio.run(fetch_rows(url, "SELECT owner FROM job_locks")) == [{"owner": "elsewhere:1:job"}]
+
+
+def test_kaizen_train_logs_rather_than_raises_when_it_cannot_record_its_child_s_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After its child, `kaizen train` records a run the child left `running` and frees the policy; a database it
+    cannot reach then (a PostgreSQL server stopped meanwhile) is one log line, not a traceback over the child's
+    own outcome."""
+    unreachable = f"postgresql+asyncpg://kaizen:secret@127.0.0.1:{free_port()}/kaizen"
+    policy = PolicyInfo(1, POLICY, "m", None, {}, datetime.now(UTC))
+    asyncio.run(train_command._settle(unreachable, policy, "here:1:job", 60.0, -signal.SIGKILL))
+    assert f"could not record the end of the training run of '{POLICY}'" in caplog.text
 
 
 def test_a_training_child_s_exit_is_said_plainly() -> None:
