@@ -2,9 +2,10 @@
 
 It starts exactly the training child the scheduler starts (`python -m trainer.learner`, through torchrun when
 `KAIZEN_TRAIN_PROCESSES` > 1) with the same `TrainingJob` on its stdin, shows its log, and exits with its status:
-0 when a candidate version was written, 3 when the run was skipped or failed. The candidate is not gated or
-promoted (`kaizen policy promote`, or let the schedule's run do it). `--print-job` prints the job instead, for
-launchers of one's own (several machines through torchrun: docker/train-*.yaml).
+0 when a candidate version was written, 3 when the run was skipped or failed (or another job of the policy
+holds its lock: refused before the child starts). The candidate is not gated or promoted (`kaizen policy
+promote`, or let the schedule's run do it). `--print-job` prints the job instead, for launchers of one's own
+(several machines through torchrun: docker/train-*.yaml).
 
 It holds the policy's job lock for its child, as the scheduler does: a child killed before it could record its
 run (the out-of-memory killer's pick) leaves the run for this process to mark failed and the lock for it to
