@@ -274,44 +274,35 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
 
 
 @pytest.mark.slow
-def test_a_sigkilled_kaizen_train_takes_its_training_child_with_it(
-    tmp_path: Path, embedded_model: Path
+@pytest.mark.parametrize(
+    ("victim", "returncode", "error"),
+    [
+        (None, -signal.SIGKILL, PARENT_DIED),
+        ("trainer.learner", 128 + signal.SIGKILL, "training process killed by SIGKILL"),
+    ],
+    ids=["kaizen-train", "its-child"],
+)
+def test_a_sigkill_to_kaizen_train_or_its_child_records_the_run_and_frees_the_policy(
+    tmp_path: Path, embedded_model: Path, victim: str | None, returncode: int, error: str
 ) -> None:
-    """`kaizen train` runs the training in a child of a session of its own, which no terminal reaches: when
-    `kaizen train` is SIGKILLed (the OOM killer, a CI job's time limit) the child must stop too, not train on
-    under the policy's lock where no Ctrl-C can reach it, and its run says why."""
+    """`kaizen train` runs the training in a child of a session of its own, which no terminal reaches, under the
+    policy's lock it holds for it. When `kaizen train` is SIGKILLed (a CI job's time limit) the child must stop
+    too, not train on where no Ctrl-C can reach it: its run says why, and it frees the lock its dead parent
+    cannot. When the child is SIGKILLed (the out-of-memory killer's pick), it records nothing: `kaizen train`
+    marks the run failed with what killed it and frees the policy at once, instead of leaving the run `running`
+    and the policy locked for `lock_ttl_s`."""
     url, _, env = _long_run(tmp_path, embedded_model)
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
         env,
         signal.SIGKILL,
         tmp_path / "command.log",
+        victim=victim,
     )
-    assert stopped.returncode == -signal.SIGKILL
-    [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
-    assert (run["status"], run["error"]) == ("failed", PARENT_DIED)
-    assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
-
-
-@pytest.mark.slow
-def test_kaizen_train_records_a_run_whose_child_was_sigkilled_and_frees_the_policy(
-    tmp_path: Path, embedded_model: Path
-) -> None:
-    """The out-of-memory killer picks the training child, not `kaizen train`: the child records nothing, so
-    `kaizen train`, which holds the policy's lock the child trains under, marks the run failed with what killed it
-    and frees the policy at once, instead of leaving the run `running` and the policy locked for `lock_ttl_s`."""
-    url, _, env = _long_run(tmp_path, embedded_model)
-    stopped = stop_mid_run(
-        [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
-        env,
-        signal.SIGKILL,
-        tmp_path / "command.log",
-        victim="trainer.learner",
-    )
-    assert stopped.returncode == 128 + signal.SIGKILL, stopped.output[-4000:]
+    assert stopped.returncode == returncode, stopped.output[-4000:]
     assert "Traceback" not in stopped.output, stopped.output[-4000:]
     [run] = asyncio.run(fetch_rows(url, "SELECT status, error FROM training_runs WHERE kind = 'train'"))
-    assert (run["status"], run["error"]) == ("failed", "training process killed by SIGKILL")
+    assert (run["status"], run["error"]) == ("failed", error)
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
