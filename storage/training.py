@@ -5,6 +5,7 @@ Returns plain dataclasses so the trainer never holds ORM objects across its long
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +16,11 @@ from sqlalchemy import func, or_, select, union_all, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from storage.calls import CALL_CLOCK_SLACK
+from storage.locks import acquire_lock
 from storage.models import Call, Episode, Reward, TrainingRun
-from storage.policies import episodes_of
+from storage.policies import PolicyInfo, episodes_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,23 @@ async def fail_abandoned_runs(
             .values(status="failed", error=error, finished_at=datetime.now(UTC))
         )
     return ids
+
+
+async def take_policy_lock(
+    session: AsyncSession, policy: PolicyInfo, owner: str, job: str, ttl_s: float
+) -> bool:
+    """Take the policy's job lock for `owner`, then mark failed the runs a dead job left `running` (no live job can
+    own them now); False, with nothing changed, when another job holds the lock. Commits."""
+    if not await acquire_lock(session, policy.name, owner, job, ttl_s):
+        return False
+    if abandoned := await fail_abandoned_runs(session, policy.id):
+        logger.warning(
+            "run(s) %s of %s were left running by a process that died; marked failed",
+            ", ".join(map(str, abandoned)),
+            policy.name,
+        )
+    await session.commit()
+    return True
 
 
 async def finish_run(

@@ -172,16 +172,10 @@ async def _take_lock(database_url: str, policy: PolicyInfo, owner: str, ttl_s: f
     """Take the policy's job lock for the child, and mark failed the runs a dead job left `running` (the child,
     under a lock it inherits, leaves that to its parent)."""
     from migrations.runner import open_database
-    from storage.locks import acquire_lock
-    from storage.training import fail_abandoned_runs
+    from storage.training import take_policy_lock
 
     async with open_database(database_url, migrate=False) as database, database.session() as session:
-        if not await acquire_lock(session, policy.name, owner, "train", ttl_s):
-            return False
-        if abandoned := await fail_abandoned_runs(session, policy.id):
-            log.warning("runs %s were left running by a process that died; marked failed", abandoned)
-        await session.commit()
-    return True
+        return await take_policy_lock(session, policy, owner, "train", ttl_s)
 
 
 @contextmanager

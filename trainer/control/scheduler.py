@@ -42,13 +42,13 @@ from storage.jobs import (
     start_job_run,
     update_run,
 )
-from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock
+from storage.locks import heartbeat, lock_owner, release_lock
 from storage.models import DEFAULT_PROJECT
 from storage.partitions import DroppedDays, drop_expired_partitions
 from storage.policies import PolicyInfo, get_policy, list_policies, promote
 from storage.retention import checkpoint_wal, prune_adapters, prune_calls
 from storage.rollouts import RolloutInfo, end_rollout, running_rollout, start_rollout
-from storage.training import fail_abandoned_runs, last_data_cutoff
+from storage.training import last_data_cutoff, take_policy_lock
 from trainer.control.canary import ACTOR, watch
 from trainer.control.child_processes import PARENT_DEATH_SIGNAL, dying_with_parent, stop_group
 from trainer.control.gate import GateResult, VersionSampler, evaluate
@@ -273,16 +273,8 @@ class JobRunner:
         owner = lock_owner()
         ttl = self.config.lock_ttl_s
         async with self.database.session() as session:
-            if not await acquire_lock(session, name, owner, kind, ttl):
+            if not await take_policy_lock(session, policy, owner, kind, ttl):
                 raise JobBusy(f"a job of policy {name!r} is already running")
-            abandoned = await fail_abandoned_runs(session, policy.id)
-            await session.commit()
-        if abandoned:
-            logger.warning(
-                "run(s) %s of %s were left running by a process that died; marked failed",
-                ", ".join(map(str, abandoned)),
-                name,
-            )
         try:
             if slot_start is not None:
                 # Under the lock, so no other replica's run of this slot can start meanwhile.

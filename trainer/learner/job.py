@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from storage.adapter_store import publish_version
 from storage.database import Database
-from storage.locks import acquire_lock, heartbeat, lock_owner, release_lock, renew_lock
+from storage.locks import heartbeat, lock_owner, release_lock, renew_lock
 from storage.policies import PolicyInfo, add_adapter, get_adapter, get_policy
 from storage.training import (
     episode_calls,
-    fail_abandoned_runs,
     finish_run,
     last_data_cutoff,
     rewarded_episodes,
     start_run,
+    take_policy_lock,
 )
 from trainer.control.child_processes import PARENT_DEATH_SIGNAL
 from trainer.control.gate import is_held_out
@@ -184,17 +184,12 @@ async def run_training(db: Database, request: TrainRequest) -> TrainOutcome:
     inherited = request.lock_owner
     owner = inherited or lock_owner()
     async with db.session() as session:
-        if inherited:
+        if inherited:  # the parent that handed its lock down has failed abandoned runs already
             held = await renew_lock(session, policy.name, owner, cfg.lock_ttl_s)
         else:
-            held = await acquire_lock(session, policy.name, owner, "train", cfg.lock_ttl_s)
+            held = await take_policy_lock(session, policy, owner, "train", cfg.lock_ttl_s)
     if not held:
         raise TrainingBusy(f"another job of policy {policy.name!r} is running")
-    if not inherited:  # the scheduler that handed its lock down has done this already
-        async with db.session() as session:
-            if abandoned := await fail_abandoned_runs(session, policy.id):
-                logger.warning("runs %s were left running by a process that died; marked failed", abandoned)
-            await session.commit()
     stop = threading.Event()
     try:
         async with db.session() as session:
