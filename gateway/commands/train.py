@@ -97,18 +97,20 @@ def train_command(args: argparse.Namespace) -> int:
     options = TrainOptions(overrides, parse_since(args.since) if args.since else None, args.device)
     config = runner_config(settings)
 
-    async def policy_of_args() -> PolicyInfo | None:
+    async def policy_of_args() -> tuple[PolicyInfo, float] | None:
+        """The policy and the time-to-live of its job lock."""
         async with open_database(settings.database_url) as database, database.session() as session:
             policy = await get_policy(session, args.policy)
         if policy is None:
             return None
-        load_policy_config(policy.config, train_overrides=overrides)  # a bad --set is refused here, not later
-        return policy
+        # A bad --set is refused here, not later.
+        return policy, load_policy_config(policy.config, train_overrides=overrides).train.lock_ttl_s
 
-    policy = asyncio.run(policy_of_args())
-    if policy is None:
+    found = asyncio.run(policy_of_args())
+    if found is None:
         log.error("no policy named %r", args.policy)
         return 2
+    policy, ttl_s = found
     owner = lock_owner()
     try:
         job = config.training_job(
@@ -125,7 +127,6 @@ def train_command(args: argparse.Namespace) -> int:
     if args.print_job:
         sys.stdout.buffer.write(job.encode())
         return 0
-    ttl_s = load_policy_config(policy.config, train_overrides=overrides).train.lock_ttl_s
     if not asyncio.run(_take_lock(settings.database_url, policy, owner, ttl_s)):
         log.error("another job of policy %r is running", args.policy)
         return NO_CANDIDATE
