@@ -100,37 +100,42 @@ class EpisodeNotWritten(APIError):
     status_code = 409
 
 
+async def load_episode(
+    session: AsyncSession,
+    sink: CaptureSink,
+    episode_id: str,
+    principal: Principal,
+    *,
+    whole: bool = True,
+) -> EpisodeOut:
+    """The episode as stored; `whole`: only once none of its turns waits in a capture queue.
+
+    The queue is asked before the database is read: a turn the writer commits between the two is then either
+    still queued (409) or in the read. Read first, such a turn was in neither, and the episode was served cut
+    short, or not found at all."""
+    queued = await sink.episode_queued(episode_id)
+    trajectory = await get_transcript(session, episode_id)
+    if trajectory is not None and not principal.sees(trajectory.project):
+        raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")  # as if unknown
+    # Not written yet, or only some of its turns: a judge or a training run must not read an agent run cut
+    # short. Once everything is written, a missing episode was deleted (retention) and is simply not found.
+    if (trajectory is None or whole) and queued:
+        raise EpisodeNotWritten(
+            f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
+            code="episode_not_written",
+            retry_after=1.0,
+        )
+    if trajectory is None:
+        raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")
+    rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
+    return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
+
+
 class EpisodesController(Controller):
     """Episodes of the key's project only; another project's episode is answered 404, as if unknown."""
 
     path = "/episodes"
     guards = [requires("read")]  # noqa: RUF012
-
-    async def _load(
-        self,
-        session: AsyncSession,
-        sink: CaptureSink,
-        episode_id: str,
-        principal: Principal,
-        *,
-        whole: bool = True,
-    ) -> EpisodeOut:
-        """The episode as stored; `whole`: only once none of its turns waits in a capture queue."""
-        trajectory = await get_transcript(session, episode_id)
-        if trajectory is not None and not principal.sees(trajectory.project):
-            raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")  # as if unknown
-        # Not written yet, or only some of its turns: a judge or a training run must not read an agent run cut
-        # short. Once everything is written, a missing episode was deleted (retention) and is simply not found.
-        if (trajectory is None or whole) and await sink.episode_queued(episode_id):
-            raise EpisodeNotWritten(
-                f"episode {episode_id!r} has turns still in the capture queue; retry shortly",
-                code="episode_not_written",
-                retry_after=1.0,
-            )
-        if trajectory is None:
-            raise NotFound(f"no episode {episode_id!r}", code="episode_not_found")
-        rewards = (await rewards_for_episodes(session, [episode_id]))[episode_id]
-        return _out(trajectory, rewards, await episode_tool_calls(session, episode_id))
 
     @get("/{episode_id:str}")
     async def read(
@@ -140,7 +145,7 @@ class EpisodesController(Controller):
         session: NamedDependency[AsyncSession],
         sink: NamedDependency[CaptureSink],
     ) -> EpisodeOut:
-        return await self._load(session, sink, episode_id, principal_of(request))
+        return await load_episode(session, sink, episode_id, principal_of(request))
 
     @put("/{episode_id:str}")
     async def edit(
@@ -173,6 +178,6 @@ class EpisodesController(Controller):
             project=None if principal.all_projects else principal.project,
         )
         if not found:
-            await self._load(session, sink, episode_id, principal)  # raises the right 404 / 409
+            await load_episode(session, sink, episode_id, principal)  # raises the right 404 / 409
         # Edited as stored: an agent may tag its episode while its latest turn is still on its way.
-        return await self._load(session, sink, episode_id, principal, whole=False)
+        return await load_episode(session, sink, episode_id, principal, whole=False)
