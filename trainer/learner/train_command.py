@@ -10,10 +10,12 @@ follow it (`trainer.learner.distributed`).
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,7 +92,29 @@ def configure_logging(level: str) -> None:
 
 
 def main() -> int:
-    """Read the job (rank 0) and run it; see the module docstring for the exit statuses."""
+    """Read the job (rank 0) and run it; see the module docstring for the exit statuses.
+
+    A process of a torchrun group does not return: it ends with `os._exit` once its log is flushed. FSDP's device
+    mesh keeps the process group, and so gloo's worker threads, alive past `destroy_process_group`; an
+    interpreter torn down under them crashed a rank at exit now and then (SIGSEGV in `pt_gloo_runloop`, which
+    made torchrun report a finished run as failed) or left it hanging."""
+    faulthandler.enable()  # a crash in torch's or gloo's native code leaves the Python stacks in the run's log
+    if ranks_from_environment() is None:
+        return _run()
+    try:
+        status = _run()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()  # as the interpreter would print it, with its exit status below
+        status = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run() -> int:
     die_with_launcher()
     ranks = ranks_from_environment()
     if ranks is not None and not ranks.main:
