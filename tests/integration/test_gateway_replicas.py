@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from tests.support.polling import wait_until_async
 from tests.support.postgres import PostgresServer
 from tests.support.scripted_upstream import ScriptedUpstream
 from tests.support.sql import fetch_rows
+from trainer.control import scheduler
 from trainer.control.policy_config import ScheduleConfig
 from trainer.control.ruler import JudgeSettings
 from trainer.control.scheduler import JobRunner, PolicyScheduler, RunnerConfig
@@ -357,10 +358,19 @@ async def _at_least(starts: Any, count: int) -> bool:
     return len(await starts()) >= count
 
 
-def test_a_cron_slot_fired_by_every_replica_runs_once(postgres: PostgresServer, tmp_path: Path) -> None:
+def test_a_cron_slot_fired_by_every_replica_runs_once(
+    postgres: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The replicas' schedulers fire the same cron at once or one after another (a loaded machine delays some
-    by seconds, after the first run finished and freed the lock): one run either way."""
+    by seconds, after the first run finished and freed the lock): one run either way.
+
+    Their clock starts two seconds into a minute, as when a `* * * * *` cron has just fired. On the wall clock
+    the test's firings could straddle two minutes: two slots, which rightly run twice (with the clock at 59.9 s
+    into a minute the test fails that way), and that once failed it in CI."""
     url = async_database_url(postgres.create_database("cron_slot_" + uuid.uuid4().hex[:8]))
+    fired = datetime.now(UTC).replace(second=2, microsecond=0)
+    started = time.monotonic()
+    monkeypatch.setattr(scheduler, "_now", lambda: fired + timedelta(seconds=time.monotonic() - started))
 
     async def scenario() -> list[Any]:
         from migrations.runner import upgrade_database
