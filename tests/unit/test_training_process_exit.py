@@ -20,7 +20,7 @@ _RANK_WITH_A_THREAD_LEFT = """
 import logging, sys, threading
 from trainer.learner import train_command
 
-def run():
+def run(ranks):
     train_command.configure_logging("info")
     threading.Thread(target=threading.Event().wait, name="left-behind").start()
     logging.getLogger("trainer.learner.job").error("the run's last line")
@@ -64,5 +64,5 @@ def test_a_torchrun_rank_whose_run_raises_prints_the_traceback_and_exits_1() -> 
 
 def test_a_process_alone_returns_its_status(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(train_command, "_run", lambda: 3)
+    monkeypatch.setattr(train_command, "_run", lambda ranks: 3)
     assert train_command.main() == 3

@@ -26,7 +26,7 @@ from migrations.runner import upgrade_database
 from storage.database import Database
 from storage.policies import get_policy
 from trainer.control.child_processes import PARENT_DEATH_SIGNAL
-from trainer.control.launch import ranks_from_environment
+from trainer.control.launch import Ranks, ranks_from_environment
 from trainer.control.rewards import policy_reward_config
 from trainer.control.run_logs import policy_log_path
 from trainer.control.scoring import Scorer
@@ -99,12 +99,11 @@ def main() -> int:
     interpreter torn down under them crashed a rank at exit now and then (SIGSEGV in `pt_gloo_runloop`, which
     made torchrun report a finished run as failed) or left it hanging."""
     faulthandler.enable()  # a crash in torch's or gloo's native code leaves the Python stacks in the run's log
-    if ranks_from_environment() is None:
-        return _run()
+    ranks = ranks_from_environment()
+    if ranks is None:
+        return _run(None)
     try:
-        status = _run()
-    except SystemExit as exc:
-        status = exc.code if isinstance(exc.code, int) else 1
+        status = _run(ranks)
     except BaseException:
         traceback.print_exc()  # as the interpreter would print it, with its exit status below
         status = 1
@@ -114,12 +113,11 @@ def main() -> int:
     os._exit(status)
 
 
-def _run() -> int:
+def _run(ranks: Ranks | None) -> int:
     die_with_launcher()
-    ranks = ranks_from_environment()
     if ranks is not None and not ranks.main:
         configure_logging("info")
-        return _follow()
+        return _follow(ranks)
     try:
         job = decode_job(sys.stdin.buffer.readline())
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -136,7 +134,7 @@ def _run() -> int:
         log.info("training %s with %s", job.policy, " ".join(placement))
     with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,), on_stop=_orphaned_logs_to_policy_log(job)) as interrupt:
         try:
-            return _train(job, interrupt)
+            return _train(job, interrupt, ranks)
         except KeyboardInterrupt:
             log.error("training stopped by %s", interrupt.signal.name)
             return interrupt.exit_status
@@ -167,8 +165,7 @@ def _orphaned_logs_to_policy_log(job: TrainingJob) -> Callable[[signal.Signals],
     return on_stop
 
 
-def _train(job: TrainingJob, interrupt: SigtermAsCtrlC) -> int:
-    ranks = ranks_from_environment()
+def _train(job: TrainingJob, interrupt: SigtermAsCtrlC, ranks: Ranks | None) -> int:
     if ranks is None:
         outcome = asyncio.run(train_policy(job, interrupt))
         return 0 if outcome.status == "succeeded" else NO_CANDIDATE
@@ -187,13 +184,11 @@ def _train(job: TrainingJob, interrupt: SigtermAsCtrlC) -> int:
         stop()
 
 
-def _follow() -> int:
+def _follow(ranks: Ranks) -> int:
     """A training process other than rank 0: it reads no job and trains what rank 0 hands it."""
     from trainer.learner.distributed import start, stop
     from trainer.learner.job import follow
 
-    ranks = ranks_from_environment()
-    assert ranks is not None
     with SigtermAsCtrlC(also=(PARENT_DEATH_SIGNAL,)) as interrupt:
         try:
             start(ranks)
