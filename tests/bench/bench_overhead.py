@@ -18,6 +18,13 @@ the same load (e.g. ``--variant off:KAIZEN_METRICS=false --variant on:KAIZEN_MET
 ``KAIZEN_OTEL_TRACES=true`` exports to an OTLP receiver the benchmark starts. Every gateway's CPU time is
 sampled around its batches: ``cpu_us_per_request`` is a cost that other load on the machine inflates far less
 than latency.
+
+``--cpu-split`` also charges each batch's CPU time to every process that worked for it: the load generator, the
+upstream, the gateway's serving processes, its capture writers, and the whole machine (every core, from
+`/proc/stat`). Each batch's window then stays open ``--settle-s`` after its last answer, so that the writer's
+commits of that batch are counted with it (latency and req/s are timed without the pause). On a machine whose
+cores are all busy, the whole machine's CPU per call is what sets how many calls a second fit: the split says
+which process a gain would have to come from.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -62,6 +70,11 @@ class Target:
     chat_url: str
     health_url: str
     pid: int = 0  # a process whose CPU time is charged to this target's batches (0: none)
+    upstream_pid: int = 0  # the upstream's process, for `--cpu-split`
+
+
+#: What `--cpu-split` charges each batch's CPU time to, in the order its table prints them.
+CPU_PARTS = ("load generator", "upstream", "serving", "capture writer", "machine")
 
 
 @dataclass
@@ -73,8 +86,9 @@ class Samples:
     busy_s: float = 0.0
     cpu_s: float = 0.0  # CPU time of the target's process during its batches
     batch_rates: list[float] = field(default_factory=list)
+    cpu_parts_s: dict[str, float] = field(default_factory=dict)  # `--cpu-split`: CPU time by part
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         ordered = sorted(self.latencies_s)
         ok = len(ordered)
         requests = ok + self.errors
@@ -87,6 +101,11 @@ class Samples:
             "mean_ms": (sum(ordered) / ok * 1000) if ok else math.nan,
             "req_per_s": ok / self.busy_s if self.busy_s else math.nan,
             "cpu_us_per_request": self.cpu_s / requests * 1e6 if self.cpu_s and requests else math.nan,
+            **(
+                {"cpu_us_per_request_by_part": {k: v / requests * 1e6 for k, v in self.cpu_parts_s.items()}}
+                if self.cpu_parts_s and requests
+                else {}
+            ),
         }
 
 
@@ -170,11 +189,46 @@ def serving_cpu_s(process: psutil.Process) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in serving)
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has spent on anything but idling, since boot."""
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def cpu_parts_s(target: Target) -> dict[str, float]:
+    """Cumulative CPU seconds of each part `--cpu-split` reports, for a batch of `target`: a direct target has no
+    serving process or capture writer of its own (other gateways' idle work counts only in "machine")."""
+    serving = writer = 0.0
+    if target.pid:
+        gateway = psutil.Process(target.pid)
+        for process in (gateway, *gateway.children(recursive=True)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                spent = sum(process.cpu_times()[:2])
+                if "gateway.capture.writer" in " ".join(process.cmdline()):
+                    writer += spent
+                else:
+                    serving += spent
+    return {
+        "load generator": sum(psutil.Process().cpu_times()[:2]),
+        "upstream": sum(psutil.Process(target.upstream_pid).cpu_times()[:2]) if target.upstream_pid else 0.0,
+        "serving": serving,
+        "capture writer": writer,
+        "machine": machine_busy_s(),
+    }
+
+
 async def run_batch(
-    session: aiohttp.ClientSession, target: Target, load: Load, count: int, into: Samples
+    session: aiohttp.ClientSession,
+    target: Target,
+    load: Load,
+    count: int,
+    into: Samples,
+    *,
+    settle_s: float | None = None,
 ) -> None:
     """Send ``count`` requests with ``load.concurrency`` in flight; a request fails unless it is 200
-    and, for streams, ends with ``[DONE]``."""
+    and, for streams, ends with ``[DONE]``. With `settle_s` (`--cpu-split`), CPU time by part is counted from
+    the batch's start to `settle_s` after its end."""
     remaining = count
 
     async def worker() -> None:
@@ -195,11 +249,16 @@ async def run_batch(
 
     process = psutil.Process(target.pid) if target.pid else None
     cpu_before = serving_cpu_s(process) if process is not None else 0.0
+    parts_before = cpu_parts_s(target) if settle_s is not None else {}
     started, errors_before = time.perf_counter(), into.errors
     await asyncio.gather(*(worker() for _ in range(load.concurrency)))
     elapsed = time.perf_counter() - started
     if process is not None:
         into.cpu_s += serving_cpu_s(process) - cpu_before
+    if settle_s is not None:
+        await asyncio.sleep(settle_s)  # a benchmark's window, not a wait for a condition
+        for part, spent in cpu_parts_s(target).items():
+            into.cpu_parts_s[part] = into.cpu_parts_s.get(part, 0.0) + spent - parts_before[part]
     into.busy_s += elapsed
     into.batch_rates.append((count - (into.errors - errors_before)) / elapsed)
 
@@ -266,7 +325,14 @@ async def run_scenario(
         order = targets[shift:] + targets[:shift]
         for target in order if round_no % 2 == 0 else reversed(order):
             with gc_paused():
-                await run_batch(session, target, load, batch, samples[target.name])
+                await run_batch(
+                    session,
+                    target,
+                    load,
+                    batch,
+                    samples[target.name],
+                    settle_s=args.settle_s if args.cpu_split else None,
+                )
     gateway = gateways[0]
     d, g = samples[direct.name].summary(), samples[gateway.name].summary()
     result = {
@@ -286,6 +352,14 @@ async def run_scenario(
             )
         ),
     }
+    if args.cpu_split:
+        result["cpu_split"] = {
+            target.name: {
+                "cpu_us_per_request_by_part": samples[target.name].summary()["cpu_us_per_request_by_part"],
+                "req_per_s": samples[target.name].summary()["req_per_s"],
+            }
+            for target in targets
+        }
     if len(gateways) > 1:
         first = samples[gateway.name]
         result["variants"] = {
@@ -326,6 +400,26 @@ def format_table(scenarios: Sequence[dict[str, Any]]) -> str:
     )
     if any("variants" in s for s in scenarios):
         lines += ["", format_variants(scenarios)]
+    if any("cpu_split" in s for s in scenarios):
+        lines += ["", format_cpu_split(scenarios)]
+    return "\n".join(lines)
+
+
+def format_cpu_split(scenarios: Sequence[dict[str, Any]]) -> str:
+    header = f"{'mode':<10} {'conc':>4} {'target':<16} | " + " ".join(f"{p:>14}" for p in CPU_PARTS)
+    header += f" | {'req/s':>7}"
+    lines = [header, "-" * len(header)]
+    for s in scenarios:
+        for name, split in s.get("cpu_split", {}).items():
+            lines.append(
+                f"{'stream' if s['stream'] else 'non-stream':<10} {s['concurrency']:>4} {name:<16} | "
+                + " ".join(f"{split['cpu_us_per_request_by_part'][p]:>14.0f}" for p in CPU_PARTS)
+                + f" | {split['req_per_s']:>7.0f}"
+            )
+    lines.append(
+        "CPU time in us per call, counted over each batch and the --settle-s after it; machine: every core, "
+        "any process"
+    )
     return "\n".join(lines)
 
 
@@ -373,6 +467,7 @@ def start_servers(
         "upstream", f"http://127.0.0.1:{up_port}/v1/chat/completions", f"http://127.0.0.1:{up_port}/health"
     )
     started = [processes.start(direct.name, upstream_cmd)]
+    direct = dataclasses.replace(direct, upstream_pid=started[0].pid)
     if args.self_test:
         gateway = Target(
             "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", f"http://127.0.0.1:{gw_port}/health"
@@ -418,6 +513,7 @@ def start_servers(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 f"http://127.0.0.1:{port}/healthz",
                 pid=process.pid,
+                upstream_pid=direct.upstream_pid,
             )
         )
     return direct, gateways, started
@@ -526,9 +622,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--serial-batch", type=int, default=120, help="requests per batch at concurrency 1")
     parser.add_argument("--concurrent-batch", type=int, default=600, help="requests per batch above 1")
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured requests per side and scenario")
+    parser.add_argument(
+        "--cpu-split",
+        action="store_true",
+        help="charge each batch's CPU time to the load generator, upstream, serving processes, capture writers "
+        "and the whole machine",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.3,
+        help="with --cpu-split: how long each batch's CPU window stays open after its last answer",
+    )
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or min(args.rounds, args.serial_batch, args.concurrent_batch) < 1:
         parser.error("concurrency, rounds and batch sizes must be positive")
+    if args.settle_s < 0:
+        parser.error("--settle-s must not be negative")
     if args.variant and (args.self_test or args.privacy != "off"):
         parser.error("--variant goes with neither --self-test nor --privacy")
     try:
