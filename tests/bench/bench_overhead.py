@@ -469,11 +469,15 @@ def start_servers(
     started = [processes.start(direct.name, upstream_cmd)]
     direct = dataclasses.replace(direct, upstream_pid=started[0].pid)
     if args.self_test:
-        gateway = Target(
-            "gateway", f"http://127.0.0.1:{gw_port}/v1/chat/completions", f"http://127.0.0.1:{gw_port}/health"
-        )
         gateway_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(gw_port)]
-        started.append(processes.start(gateway.name, gateway_cmd))
+        started.append(processes.start("gateway", gateway_cmd))
+        # The stand-in's CPU is charged as the gateway's would be.
+        gateway = Target(
+            "gateway",
+            f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+            f"http://127.0.0.1:{gw_port}/health",
+            pid=started[-1].pid,
+        )
         return direct, [gateway], started
     env = {
         **os.environ,
