@@ -201,13 +201,11 @@ def cpu_parts_s(target: Target) -> dict[str, float]:
     serving = writer = 0.0
     if target.pid:
         gateway = psutil.Process(target.pid)
-        for process in (gateway, *gateway.children(recursive=True)):
+        serving = serving_cpu_s(gateway)
+        for process in gateway.children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
-                spent = sum(process.cpu_times()[:2])
                 if "gateway.capture.writer" in " ".join(process.cmdline()):
-                    writer += spent
-                else:
-                    serving += spent
+                    writer += sum(process.cpu_times()[:2])
     return {
         "load generator": sum(psutil.Process().cpu_times()[:2]),
         "upstream": sum(psutil.Process(target.upstream_pid).cpu_times()[:2]) if target.upstream_pid else 0.0,
@@ -353,12 +351,10 @@ async def run_scenario(
         ),
     }
     if args.cpu_split:
+        summaries = {target.name: samples[target.name].summary() for target in targets}
         result["cpu_split"] = {
-            target.name: {
-                "cpu_us_per_request_by_part": samples[target.name].summary()["cpu_us_per_request_by_part"],
-                "req_per_s": samples[target.name].summary()["req_per_s"],
-            }
-            for target in targets
+            name: {key: summary[key] for key in ("cpu_us_per_request_by_part", "req_per_s")}
+            for name, summary in summaries.items()
         }
     if len(gateways) > 1:
         first = samples[gateway.name]
