@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -152,6 +153,33 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) 
     gateway = GatewayServer(settings, startup_timeout_s=900).start()
     yield VLLMServer(gateway, f"http://127.0.0.1:{port}/v1", "smollm2-135m-instruct")
     gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def small_model(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded model's tokenizer, chat template and architecture, two layers deep with random weights: for
+    tests of a training run's mechanics (signals, locks, tracking, processes) rather than of what it learns. It
+    loads and takes a step in a small fraction of the embedded model's time."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(embedded_model)
+    config.update(
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("small-model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(embedded_model / name, path / name)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Experiment tracking of real training runs: MLflow (a local SQLite store) and W&B (offline run files), read back
 with each tool's own reader; a configured backend that is missing or unreachable never fails the run.
 
-Each run trains the embedded model for a few tiny steps on text-only captured calls (re-tokenised), with a
+Each run trains a small random-weight model with the embedded model's tokenizer for a few tiny steps on text-only captured calls (re-tokenised), with a
 collapse check after every step, so the tracked metrics include a per-step series.
 """
 
@@ -22,9 +22,6 @@ from storage.policies import create_policy
 from tests.support.training_data import NO_COLLAPSE_BOUNDS, RewardedReply, write_rewarded_groups
 from tests.support.wandb_offline import read_offline_run
 from trainer.learner.job import TrainOutcome, TrainRequest, run_training
-
-# Trains on every core: `make test` runs it on its own, never beside another test (README, "Test").
-pytestmark = pytest.mark.serial
 
 POLICY = "tracked"
 #: Two prompts with three replies each with different rewards: two groups, six samples, three optimizer steps.
@@ -78,13 +75,13 @@ def train(tmp_path: Path, model: Path, **train: Any) -> TrainOutcome:
 
 
 def test_mlflow_run_has_config_metrics_steps_and_tags(
-    tmp_path: Path, embedded_model: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    outcome = train(tmp_path, embedded_model, tracking="mlflow", learning_rate=1e-4)
+    outcome = train(tmp_path, small_model, tracking="mlflow", learning_rate=1e-4)
     assert outcome.status == "succeeded", outcome.error
 
     client = MlflowClient(uri)
@@ -124,7 +121,7 @@ def test_mlflow_run_has_config_metrics_steps_and_tags(
 
 
 def test_wandb_offline_run_files_hold_config_and_summary(
-    tmp_path: Path, embedded_model: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, folder in [
         ("WANDB_DIR", "wandb"),
@@ -135,7 +132,7 @@ def test_wandb_offline_run_files_hold_config_and_summary(
         monkeypatch.setenv(name, str(tmp_path / folder))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_MODE", "offline")
-    outcome = train(tmp_path, embedded_model, tracking="wandb", tracking_project="kaizen-tests")
+    outcome = train(tmp_path, small_model, tracking="wandb", tracking_project="kaizen-tests")
     assert outcome.status == "succeeded", outcome.error
 
     [run_dir] = (tmp_path / "wandb" / "wandb").glob("offline-run-*")
@@ -165,18 +162,18 @@ def _closed_port() -> int:
 
 
 def test_unreachable_or_missing_backend_never_fails_a_run(
-    tmp_path: Path, embedded_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, small_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="trainer.learner.tracking")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_closed_port()}")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    outcome = train(tmp_path / "unreachable", embedded_model, tracking="mlflow")
+    outcome = train(tmp_path / "unreachable", small_model, tracking="mlflow")
     assert outcome.status == "succeeded", outcome.error
     assert "could not start a run in 'kaizen-tracked'" in caplog.text
 
     caplog.clear()
     monkeypatch.setitem(sys.modules, "wandb", None)  # what an environment without the package imports
-    outcome = train(tmp_path / "missing", embedded_model, tracking="wandb")
+    outcome = train(tmp_path / "missing", small_model, tracking="wandb")
     assert outcome.status == "succeeded", outcome.error
     assert "tracking = 'wandb' but wandb cannot be imported" in caplog.text

@@ -66,14 +66,14 @@ def job(url: str, data_dir: Path, base_model: Path) -> bytes:
 
 
 async def setup_policy(
-    url: str, embedded_model: Path, config: dict[str, Any], prompts: Sequence[str] = ("Say hi.",)
+    url: str, base_model: Path, config: dict[str, Any], prompts: Sequence[str] = ("Say hi.",)
 ) -> None:
     """A policy with one rewarded group of three replies to each prompt."""
     await upgrade_database(url)
     database = Database(url)
     try:
         async with database.session() as session:
-            await create_policy(session, POLICY, str(embedded_model), config)
+            await create_policy(session, POLICY, str(base_model), config)
             await session.commit()
         replies = [RewardedReply("hi", 1.0), RewardedReply("hello", 0.5), RewardedReply("", 0.0)]
         await write_rewarded_groups(database, POLICY, [(prompt, replies) for prompt in prompts], "fixed")
@@ -83,13 +83,13 @@ async def setup_policy(
 
 @pytest.mark.slow
 def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
-    tmp_path: Path, embedded_model: Path
+    tmp_path: Path, small_model: Path
 ) -> None:
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    asyncio.run(setup_policy(url, embedded_model, {"train": TRAIN, "gate": {"holdout_fraction": 0.0}}))
+    asyncio.run(setup_policy(url, small_model, {"train": TRAIN, "gate": {"holdout_fraction": 0.0}}))
     trained = subprocess.run(
         [sys.executable, "-m", "trainer.learner"],
-        input=job(url, tmp_path / "data", embedded_model),
+        input=job(url, tmp_path / "data", small_model),
         env=_env(),
         cwd=REPO,
         capture_output=True,
@@ -145,12 +145,12 @@ def test_python_m_trainer_writes_a_candidate_and_kaizen_train_finds_nothing_new(
     assert [v for v, _, _ in asyncio.run(adapters())] == [version]
 
 
-def _long_run(tmp_path: Path, embedded_model: Path) -> tuple[str, Path, dict[str, str]]:
+def _long_run(tmp_path: Path, base_model: Path) -> tuple[str, Path, dict[str, str]]:
     """A policy whose training runs far longer than a test waits: (database URL, data directory, environment of
     the command that trains it)."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
     long_run = {**TRAIN, "epochs": 10_000}
-    asyncio.run(setup_policy(url, embedded_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
+    asyncio.run(setup_policy(url, base_model, {"train": long_run, "gate": {"holdout_fraction": 0.0}}))
     data = tmp_path / "data"
     env = {
         **_env(),
@@ -188,7 +188,7 @@ def _long_run(tmp_path: Path, embedded_model: Path) -> tuple[str, Path, dict[str
 )
 def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     tmp_path: Path,
-    embedded_model: Path,
+    small_model: Path,
     command: list[str],
     signum: signal.Signals,
     sigint_ignored: bool,
@@ -199,7 +199,7 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
     time-to-live), no trainer is left running, and the command exits with 128 + the signal's number and no
     traceback. SIGTERM works the same where SIGINT is ignored, and through `kaizen worker --once`, whose
     training runs in a child process."""
-    url, data, env = _long_run(tmp_path, embedded_model)
+    url, data, env = _long_run(tmp_path, small_model)
     learner = command == ["-m", "trainer.learner"]
     flags = [] if learner else ["--policy", POLICY]
     stopped = stop_mid_run(
@@ -210,7 +210,7 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
         # The worker's training child writes its steps to the policy's training log.
         steps_log=data / "logs" / f"train-{POLICY}.log" if "worker" in command else None,
         sigint_ignored=sigint_ignored,
-        stdin=job(url, data, embedded_model) if learner else None,
+        stdin=job(url, data, small_model) if learner else None,
     )
     assert stopped.returncode == 128 + signum, stopped.output[-4000:]
     assert "Traceback" not in stopped.output, stopped.output[-4000:]
@@ -225,18 +225,18 @@ def test_a_run_stopped_by_a_signal_is_recorded_failed_and_frees_the_policy(
 
 
 @pytest.mark.slow
-def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, embedded_model: Path) -> None:
+def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, small_model: Path) -> None:
     """Linux sends a training child its parent-death signal once for each thread of the dying parent, and a
     supervisor may repeat its SIGTERM, so a child can get several at once. The first stops the run; the others must
     not cut short its recording (the run would stay `running` and the lock held until a later job finds it
     abandoned)."""
-    url, data, env = _long_run(tmp_path, embedded_model)
+    url, data, env = _long_run(tmp_path, small_model)
     stopped = stop_mid_run(
         [sys.executable, "-m", "trainer.learner"],
         env,
         signal.SIGTERM,
         tmp_path / "command.log",
-        stdin=job(url, data, embedded_model),
+        stdin=job(url, data, small_model),
         times=3,
     )
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-4000:]
@@ -248,14 +248,14 @@ def test_a_repeated_sigterm_stops_a_run_once(tmp_path: Path, embedded_model: Pat
 
 @pytest.mark.slow
 def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
-    tmp_path: Path, embedded_model: Path
+    tmp_path: Path, small_model: Path
 ) -> None:
     """A SIGKILL to the process whose scheduler started a training child (here `kaizen worker --once`, as a
     gateway's does) reaches the child as its parent-death signal, from Linux. The run is recorded failed as
     interrupted because that process died, not as if someone had stopped the run, and the child's lines about
     it, which its dead parent can no longer copy, reach the policy's log all the same; and it frees the policy's
     lock, which its dead parent can no longer release, at once."""
-    url, data, env = _long_run(tmp_path, embedded_model)
+    url, data, env = _long_run(tmp_path, small_model)
     policy_log = data / "logs" / f"train-{POLICY}.log"
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "worker", "--once", "train", "--policy", POLICY],
@@ -283,7 +283,7 @@ def test_a_run_whose_gateway_is_sigkilled_records_that_its_parent_died(
     ids=["kaizen-train", "its-child"],
 )
 def test_a_sigkill_to_kaizen_train_or_its_child_records_the_run_and_frees_the_policy(
-    tmp_path: Path, embedded_model: Path, victim: str | None, returncode: int, error: str
+    tmp_path: Path, small_model: Path, victim: str | None, returncode: int, error: str
 ) -> None:
     """`kaizen train` runs the training in a child of a session of its own, which no terminal reaches, under the
     policy's lock it holds for it. When `kaizen train` is SIGKILLed (a CI job's time limit) the child must stop
@@ -291,7 +291,7 @@ def test_a_sigkill_to_kaizen_train_or_its_child_records_the_run_and_frees_the_po
     cannot. When the child is SIGKILLed (the out-of-memory killer's pick), it records nothing: `kaizen train`
     marks the run failed with what killed it and frees the policy at once, instead of leaving the run `running`
     and the policy locked for `lock_ttl_s`."""
-    url, _, env = _long_run(tmp_path, embedded_model)
+    url, _, env = _long_run(tmp_path, small_model)
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "train", "--policy", POLICY],
         env,
@@ -306,10 +306,10 @@ def test_a_sigkill_to_kaizen_train_or_its_child_records_the_run_and_frees_the_po
     assert asyncio.run(fetch_rows(url, "SELECT key FROM job_locks")) == []
 
 
-def test_kaizen_train_refuses_a_policy_another_job_holds(tmp_path: Path, embedded_model: Path) -> None:
+def test_kaizen_train_refuses_a_policy_another_job_holds(tmp_path: Path, small_model: Path) -> None:
     """A policy whose job lock another live job holds is refused before any training process starts: one clear
     line, exit status 3, no run recorded, and the other job's lock left as it was."""
-    url, _, env = _long_run(tmp_path, embedded_model)
+    url, _, env = _long_run(tmp_path, small_model)
 
     async def lock_it() -> None:
         database = Database(url)
