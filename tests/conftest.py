@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from gateway.settings import Settings
+from gateway.settings import Settings, async_database_url
+from migrations.runner import upgrade_database
 from tests.support.gateway_server import GatewayServer
 from tests.support.ports import free_port
 from tests.support.postgres import PostgresServer, find_bin_dir
@@ -52,9 +53,45 @@ def postgres() -> Iterator[PostgresServer]:
     server.destroy()
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_twin)])
+#: The PostgreSQL database at the schema's head that each test's database is copied from.
+HEAD_TEMPLATE = "kaizen_head"
+
+
+@pytest.fixture(scope="session")
+def head_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite database migrated to the schema's head once per session, for `database_url` to copy."""
+    path = tmp_path_factory.mktemp("schema-head") / "kaizen.db"
+    asyncio.run(upgrade_database(async_database_url(f"sqlite:///{path}")))
+    return path
+
+
+@pytest.fixture(scope="session")
+def head_postgres(postgres: PostgresServer) -> str:
+    """The name of a PostgreSQL database migrated to the schema's head once per session (a template)."""
+    asyncio.run(upgrade_database(async_database_url(postgres.create_database(HEAD_TEMPLATE))))
+    return HEAD_TEMPLATE
+
+
+KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_twin)]
+
+
+@pytest.fixture(params=KINDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty database of each supported kind."""
+    """A fresh database of each supported kind, already at the schema's head (a copy of a template): migrating
+    one from empty takes 0.2 s on SQLite and 0.45 s on PostgreSQL, and most tests start a gateway on one."""
+    if request.param == "sqlite":
+        path = tmp_path / "kaizen.db"
+        shutil.copyfile(request.getfixturevalue("head_sqlite"), path)
+        return f"sqlite:///{path}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return server.create_database(
+        "t_" + uuid.uuid4().hex[:12], template=request.getfixturevalue("head_postgres")
+    )
+
+
+@pytest.fixture(params=KINDS)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database of each supported kind: for tests of the migrations themselves."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'kaizen.db'}"
     server: PostgresServer = request.getfixturevalue("postgres")

@@ -52,19 +52,19 @@ def errors(output: str) -> list[str]:
 
 
 def test_upgrade_refuses_an_offline_migration_until_told_the_gateways_are_stopped(
-    database_url: str, tmp_path: Path
+    empty_database_url: str, tmp_path: Path
 ) -> None:
-    dialect = "sqlite" if database_url.startswith("sqlite") else "postgresql"
-    assert kaizen(database_url, tmp_path, "db", "upgrade", "0004").returncode == 0
+    dialect = "sqlite" if empty_database_url.startswith("sqlite") else "postgresql"
+    assert kaizen(empty_database_url, tmp_path, "db", "upgrade", "0004").returncode == 0
 
-    status = kaizen(database_url, tmp_path, "db", "status")
+    status = kaizen(empty_database_url, tmp_path, "db", "status")
     assert status.returncode == 0, status.stderr
     plan = json.loads(status.stdout)
     assert (plan["database"], plan["target"], plan["needs_gateways_stopped"]) == ("0004", HEAD, True)
     assert [p["revision"] for p in plan["pending"] if not p["online_safe"]] == OFFLINE[dialect]
     assert plan["pending"][0]["why"].startswith("drops `training_locks`")
 
-    refused = kaizen(database_url, tmp_path, "db", "upgrade")
+    refused = kaizen(empty_database_url, tmp_path, "db", "upgrade")
     assert refused.returncode == 2, refused.stderr
     # Every pending migration is listed with its verdict, then one error line says what to do.
     listed = [
@@ -79,18 +79,18 @@ def test_upgrade_refuses_an_offline_migration_until_told_the_gateways_are_stoppe
     assert all(f"{r} " in error for r in OFFLINE[dialect])
     assert "Stop every `kaizen serve` and `kaizen worker`" in error
     assert "run `kaizen db upgrade --gateways-stopped`" in error
-    assert revision(database_url) == "0004"  # nothing applied, not even the online-safe ones before it
+    assert revision(empty_database_url) == "0004"  # nothing applied, not even the online-safe ones before it
 
-    applied = kaizen(database_url, tmp_path, "db", "upgrade", "--gateways-stopped")
+    applied = kaizen(empty_database_url, tmp_path, "db", "upgrade", "--gateways-stopped")
     assert applied.returncode == 0, applied.stderr
-    assert revision(database_url) == HEAD
-    recorded = query(database_url, "SELECT revision, previous, online_safe FROM schema_revisions")
+    assert revision(empty_database_url) == HEAD
+    recorded = query(empty_database_url, "SELECT revision, previous, online_safe FROM schema_revisions")
     assert len(recorded) == len(list((REPO / "migrations" / "versions").glob("0*.py")))
     assert sorted(r["revision"] for r in recorded if not r["online_safe"]) == OFFLINE[dialect]
     previous = {r["revision"]: r["previous"] for r in recorded}
     assert (previous["0021"], previous[HEAD]) == ("0020", "0022")
 
-    again = kaizen(database_url, tmp_path, "db", "upgrade")
+    again = kaizen(empty_database_url, tmp_path, "db", "upgrade")
     assert again.returncode == 0 and f"is at revision {HEAD}: nothing to apply" in again.stderr
 
 

@@ -70,8 +70,10 @@ class PostgresServer:
             time.sleep(0.1)
         raise TimeoutError("PostgreSQL did not become ready")
 
-    def create_database(self, name: str) -> str:
-        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, name)
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """An empty database, or a copy of `template` (a database nobody is connected to)."""
+        copy = ["--template", template] if template else []
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, *copy, name)
         return self.url(name)
 
     def url(self, database: str = "postgres") -> str:
