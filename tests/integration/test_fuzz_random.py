@@ -26,6 +26,10 @@ from tests.support.gateway_server import GatewayServer
 from tests.support.openai_schema import request_errors
 
 REQUESTS = 2000
+#: The burst on the real engine: each request that reaches it generates (up to a small cap) on the CPU. 500 took
+#: 135 s of the suite's serial pass on an idle 2-core machine and 331 s on a slow one; the routes and mutations
+#: are the same as in the larger burst above, which runs against the scripted upstream.
+ENGINE_REQUESTS = 200
 SEED = 20261128
 
 
@@ -87,7 +91,7 @@ def test_the_unmutated_bodies_sent_to_a_real_engine_carry_a_token_limit() -> Non
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(600)  # 331 s on a slow idle 2-core CPU; a single answer over 30 s fails it sooner
+@pytest.mark.timeout(600)  # a single answer over 30 s fails it sooner
 def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
     make_gateway: Callable[..., GatewayServer], vllm_server: VLLMServer, tmp_path: Path
 ) -> None:
@@ -102,8 +106,8 @@ def test_random_requests_to_real_vllm_get_no_5xx_and_stay_within_the_spec(
         admin_key=ADMIN_KEY,
     )
     fuzzer = Fuzzer(gw.url, SEED, model=vllm_server.model, targets=ENGINE_TARGETS, real_engine=True)
-    report = fuzzer.run(requests=REQUESTS // 4)
+    report = fuzzer.run(requests=ENGINE_REQUESTS)
     assert report.failures == []
     assert report.spec_gaps == []
     # Real generations, and requests vLLM itself refused, each checked against the spec.
-    assert report.statuses[200] > REQUESTS // 80 and report.engine_refusals > 0, report
+    assert report.statuses[200] > ENGINE_REQUESTS // 20 and report.engine_refusals > 0, report
