@@ -1,8 +1,9 @@
 """Experiment tracking of real training runs: MLflow (a local SQLite store) and W&B (offline run files), read back
 with each tool's own reader; a configured backend that is missing or unreachable never fails the run.
 
-Each run trains a small random-weight model with the embedded model's tokenizer for a few tiny steps on text-only captured calls (re-tokenised), with a
-collapse check after every step, so the tracked metrics include a per-step series.
+Each run trains a small random-weight model with the embedded model's tokenizer for a few tiny steps on text-only
+captured calls (re-tokenised), with a collapse check after every step, so the tracked metrics include a per-step
+series.
 """
 
 from __future__ import annotations
