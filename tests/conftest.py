@@ -75,27 +75,29 @@ def head_postgres(postgres: PostgresServer) -> str:
 KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres_twin)]
 
 
+def _fresh_database(request: pytest.FixtureRequest, tmp_path: Path, *, at_head: bool) -> str:
+    """A new database of the kind `request.param` names: empty, or a copy of the session's one at head."""
+    if request.param == "sqlite":
+        path = tmp_path / "kaizen.db"
+        if at_head:
+            shutil.copyfile(request.getfixturevalue("head_sqlite"), path)
+        return f"sqlite:///{path}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    template = request.getfixturevalue("head_postgres") if at_head else None
+    return server.create_database("t_" + uuid.uuid4().hex[:12], template=template)
+
+
 @pytest.fixture(params=KINDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh database of each supported kind, already at the schema's head (a copy of a template): migrating
     one from empty takes 0.2 s on SQLite and 0.45 s on PostgreSQL, and most tests start a gateway on one."""
-    if request.param == "sqlite":
-        path = tmp_path / "kaizen.db"
-        shutil.copyfile(request.getfixturevalue("head_sqlite"), path)
-        return f"sqlite:///{path}"
-    server: PostgresServer = request.getfixturevalue("postgres")
-    return server.create_database(
-        "t_" + uuid.uuid4().hex[:12], template=request.getfixturevalue("head_postgres")
-    )
+    return _fresh_database(request, tmp_path, at_head=True)
 
 
 @pytest.fixture(params=KINDS)
 def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty database of each supported kind: for tests of the migrations themselves."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'kaizen.db'}"
-    server: PostgresServer = request.getfixturevalue("postgres")
-    return server.create_database("t_" + uuid.uuid4().hex[:12])
+    return _fresh_database(request, tmp_path, at_head=False)
 
 
 @pytest.fixture(scope="session")
