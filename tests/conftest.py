@@ -194,6 +194,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, embedded_model: Path) 
     gateway.stop()
 
 
+#: How deep `small_model` is.
+SMALL_MODEL_LAYERS = 2
+
+
 @pytest.fixture(scope="session")
 def small_model(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded model's tokenizer, chat template and architecture, two layers deep with random weights: for
@@ -205,7 +209,7 @@ def small_model(embedded_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     config = AutoConfig.from_pretrained(embedded_model)
     config.update(
         {
-            "num_hidden_layers": 2,
+            "num_hidden_layers": SMALL_MODEL_LAYERS,
             "hidden_size": 64,
             "intermediate_size": 128,
             "head_dim": 16,

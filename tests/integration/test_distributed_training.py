@@ -6,7 +6,6 @@ on two random layers): these tests are about processes, signals and sums, not ab
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import torch
 from storage.database import Database
 from storage.jobs import list_runs
 from storage.policies import get_policy, list_adapters
+from tests.conftest import SMALL_MODEL_LAYERS
 from tests.integration.test_train_command import PARENT_DIED, POLICY, TRAIN, setup_policy
 from tests.support.sql import fetch_rows
 from tests.support.stopping import Stopped, stop_mid_run
@@ -71,8 +71,8 @@ def test_two_processes_take_the_step_one_process_takes(
 ) -> None:
     together = step_gradients(small_model, tmp_path / "two.pt", 2, sharding)
     assert set(together) == set(alone)
-    layers = json.loads((small_model / "config.json").read_text())["num_hidden_layers"]
-    assert {name.split(".layers.")[1].split(".")[0] for name in alone} == {str(i) for i in range(layers)}
+    every_layer = {str(i) for i in range(SMALL_MODEL_LAYERS)}
+    assert {name.split(".layers.")[1].split(".")[0] for name in alone} == every_layer
     assert all(g.abs().max() > 0 for g in alone.values())
     for name, expected in alone.items():
         scale = float(expected.abs().max())
@@ -132,12 +132,12 @@ def test_kaizen_train_on_two_processes_writes_a_candidate(tmp_path: Path, small_
 
 
 def stop_two_process_run(
-    tmp_path: Path, small_model: Path, signum: signal.Signals, victim: str | None = None
+    tmp_path: Path, base_model: Path, signum: signal.Signals, victim: str | None = None
 ) -> tuple[Stopped, str]:
     """`kaizen train` of a long run on two processes, sent `signum` at its first step (`victim`: see
     `stop_mid_run`): how it ended, and the database's URL."""
     url = f"sqlite+aiosqlite:///{tmp_path / 'kaizen.db'}"
-    asyncio.run(setup_policy(url, small_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
+    asyncio.run(setup_policy(url, base_model, {"train": {**TRAIN, "epochs": 10_000}}, PROMPTS))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAIZEN_")}
     stopped = stop_mid_run(
         [sys.executable, "-m", "gateway", "train", "--policy", POLICY, "--device", "cpu"],
