@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from typing import get_args
 
@@ -26,7 +25,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from gateway.auth import KeyRing
 from gateway.bare_asgi import send_json
 from gateway.rate_limits import LimitKind
-from gateway.settings import Settings
+from gateway.settings import Settings, is_loopback
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _HOST_NOT_ALLOWED = msgspec.json.encode(
@@ -50,15 +49,6 @@ _UNSUPPORTED = msgspec.json.encode(
         }
     }
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve to anything
 
 
 def open_exposure(settings: Settings) -> str | None:

@@ -6,9 +6,11 @@ Each field's description is its documentation: the CLI help and the docs/configu
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -32,6 +34,33 @@ _SYNC_TO_ASYNC_DRIVERS = {
     "postgresql+psycopg2": "postgresql+asyncpg",
     "postgresql+psycopg": "postgresql+asyncpg",
 }
+
+
+def cpu_list(cores: str) -> set[int]:
+    """The cores a Linux CPU list names (`0-3,6`), as `taskset` and VLLM_CPU_OMP_THREADS_BIND write them."""
+    found: set[int] = set()
+    for part in cores.split(","):
+        first, _, last = part.strip().partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
+def gpu_visible() -> bool:
+    """Whether a GPU is present and not hidden by CUDA_VISIBLE_DEVICES, judged from device files: the serving
+    process does not load torch to ask."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, or an address with or without IPv6 brackets) is this machine's loopback."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
 
 
 def async_database_url(url: str) -> str:
@@ -521,9 +550,11 @@ class Settings(BaseSettings):
     train_threads: int = Field(
         0,
         ge=0,
-        description="CPU threads of the training child (its `OMP_NUM_THREADS`). On a small CPU machine, `1` with "
-        "KAIZEN_VLLM_REPLICA_CPUS=0 keeps training and vLLM off each other's cores: a run beside live calls "
-        "took 32 s instead of 1,070 on 2 cores (docs/performance.md). 0: torch's default, one per core.",
+        description="CPU threads of the training child (its `OMP_NUM_THREADS`). 0: what suits the machine. Where "
+        "vLLM runs on this machine's CPU (started here, or at a loopback KAIZEN_VLLM_URL, with no GPU visible), "
+        "the cores KAIZEN_VLLM_REPLICA_CPUS leaves free, else 1: on 2 cores a run beside live calls took 21 s so, "
+        "and 458 s with a thread per core competing with vLLM's (docs/performance.md). Otherwise, or when "
+        "OMP_NUM_THREADS is set, the child inherits this process's threads (torch's default: one per core).",
     )
     vllm_replica_cpus: str = Field(
         "",
@@ -595,6 +626,26 @@ class Settings(BaseSettings):
         if self.workers:
             return self.workers
         return max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
+
+    def training_threads(self) -> int:
+        """The training child's `OMP_NUM_THREADS`: `train_threads`, or for 0 the cores vLLM on this machine's CPU
+        leaves free (its own binding computes on all cores but one, which it keeps for its scheduling process).
+        0: the child inherits ours."""
+        if self.train_threads or "OMP_NUM_THREADS" in os.environ or not self._vllm_on_this_cpu():
+            return self.train_threads
+        bound = [cpu_list(cores) for cores in self.vllm_replica_cpus.split(";") if cores.strip()]
+        if not bound:
+            return 1
+        return max(1, len(os.sched_getaffinity(0).difference(*bound)))
+
+    def _vllm_on_this_cpu(self) -> bool:
+        """Whether the engine is vLLM computing on this machine's cores: started by this gateway or reached on
+        loopback, with no GPU visible here."""
+        if self.engine != "vllm" or not all(
+            is_loopback(urlsplit(url).hostname or "") for url in self.vllm_urls
+        ):
+            return False
+        return not gpu_visible()
 
     @property
     def vllm_urls(self) -> list[str]:

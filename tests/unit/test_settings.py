@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
 import pytest
 
+from gateway import settings as settings_module
 from gateway.commands.main import build_parser
 from gateway.commands.options import settings_table
 from gateway.exposure import open_exposure
-from gateway.settings import Settings, async_database_url
+from gateway.scheduling import runner_config
+from gateway.settings import Settings, async_database_url, cpu_list, gpu_visible
 
 
 def test_database_urls_map_to_async_drivers() -> None:
@@ -114,3 +117,38 @@ def test_training_processes_need_a_gpu_each_of_those_kaizen_train_gpus_names() -
     assert Settings.load(train_gpus="1").train_gpus == "1"
     with pytest.raises(ValueError, match="KAIZEN_TRAIN_GPUS names 1 GPU"):
         Settings.load(train_processes=2, train_gpus="1")
+
+
+def test_training_threads_leave_vllm_on_this_cpu_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0 (the default) picks the training child's threads: 1 beside vLLM computing on this machine's cores (or
+    the cores KAIZEN_VLLM_REPLICA_CPUS leaves it), ours where vLLM is elsewhere, on a GPU, or OMP_NUM_THREADS is
+    set; a number is used as it is."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(settings_module, "gpu_visible", lambda: False)
+    cores = os.sched_getaffinity(0)
+    assert Settings.load().training_threads() == 1
+    assert Settings.load(vllm_url="http://127.0.0.1:8001/v1").training_threads() == 1
+    assert Settings.load(vllm_url="http://localhost:8001/v1,http://[::1]:8002/v1").training_threads() == 1
+    assert Settings.load(vllm_url="http://gpu-box:8001/v1").training_threads() == 0
+    assert Settings.load(vllm_url="http://127.0.0.1:8001/v1,http://gpu-box:8001/v1").training_threads() == 0
+    assert Settings.load(engine="upstream").training_threads() == 0
+    assert Settings.load(train_threads=3).training_threads() == 3
+    first = min(cores)
+    split = Settings.load(vllm_replica_cpus=f"{first}").training_threads()
+    assert split == max(1, len(cores) - 1)
+    everything = ",".join(str(core) for core in cores)
+    assert Settings.load(vllm_replica_cpus=everything).training_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert Settings.load().training_threads() == 0  # the child inherits the operator's choice
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(settings_module, "gpu_visible", lambda: True)
+    assert Settings.load().training_threads() == 0
+    assert runner_config(Settings.load(train_threads=2)).train_threads == 2
+
+
+def test_cpu_lists_and_hidden_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    assert cpu_list("5") == {5}
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not gpu_visible()
