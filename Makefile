@@ -190,7 +190,8 @@ bench-canary: install install-vllm models
 # Latency of live calls while a training run trains beside them, against idle (vLLM with the embedded model), with
 # the cores shared and split (about 15 minutes on the reference CPU). On a GPU machine: see the module docstring.
 bench-serving-during-training: install install-vllm models
-	$(BIN)/python -m tests.bench.bench_serving_during_training --variant shared: \
+	$(BIN)/python -m tests.bench.bench_serving_during_training --variant default: \
+		--variant "cores:KAIZEN_TRAIN_THREADS=$$(nproc)" \
 		--variant 'split:KAIZEN_VLLM_REPLICA_CPUS=0;KAIZEN_TRAIN_THREADS=1' \
 		--out tests/bench/results/serving-during-training.json
 

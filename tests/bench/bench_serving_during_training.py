@@ -16,8 +16,9 @@ serve` (vLLM with the embedded model, SQLite, its own scheduler), one after the 
 On a GPU machine the variants name how serving and training share it (docs/operations.md): ``shared`` (one GPU,
 vLLM's share of its memory set in ``KAIZEN_VLLM_EXTRA_ARGS``), ``apart`` (``KAIZEN_VLLM_REPLICA_GPUS=0;
 KAIZEN_TRAIN_GPUS=1``) and ``asleep`` (``KAIZEN_ENGINE_SLEEP_DURING_TRAINING=true``, with vLLM's sleep mode). On
-a CPU, `make bench-serving-during-training` runs ``shared`` (the cores shared) beside ``split``
-(``KAIZEN_VLLM_REPLICA_CPUS=0;KAIZEN_TRAIN_THREADS=1``: vLLM on the first core, one thread for training).
+a CPU, `make bench-serving-during-training` runs ``default`` (vLLM's own binding, one training thread) beside
+``cores`` (``KAIZEN_TRAIN_THREADS`` set to the number of cores: torch's default, a training thread per core) and
+``split`` (``KAIZEN_VLLM_REPLICA_CPUS=0;KAIZEN_TRAIN_THREADS=1``: vLLM on the first core, one thread for training).
 
     python -m tests.bench.bench_serving_during_training [--seconds 30] [--concurrency 1] [--episodes 16] [--epochs 4]
         [--variant NAME:SETTINGS ...] [--out tests/bench/results/serving-during-training.json]
