@@ -572,7 +572,16 @@ def test_worker_settings_reach_the_training_child(tmp_path: Path) -> None:
     assert job.lock_owner == "host:1:abc"
     asleep = runner_config(settings.model_copy(update={"engine_sleep_during_training": True}))
     assert asleep.training_job("p", "b", TrainOptions()).engine_url is None  # a sleeping engine cannot answer
-    assert config.train_environment() is None  # the child sees the GPUs and cores this process sees
+    # Elsewhere than beside vLLM on this CPU the child sees the GPUs and cores this process sees; beside it, the
+    # threads `training_threads` picks (tests/unit/test_settings.py).
+    threads = settings.training_threads()
+    environment = config.train_environment()
+    if threads == 0:
+        assert environment is None
+    else:
+        assert environment is not None and environment["OMP_NUM_THREADS"] == str(threads)
+    upstream = runner_config(settings.model_copy(update={"engine": "upstream"}))
+    assert upstream.train_environment() is None
     apart = runner_config(settings.model_copy(update={"train_gpus": "1"})).train_environment()
     assert apart is not None and apart["CUDA_VISIBLE_DEVICES"] == "1"
     several = runner_config(settings.model_copy(update={"train_processes": 2}))
