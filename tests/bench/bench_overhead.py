@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import json
 import logging
@@ -70,7 +69,6 @@ class Target:
     chat_url: str
     health_url: str
     pid: int = 0  # a process whose CPU time is charged to this target's batches (0: none)
-    upstream_pid: int = 0  # the upstream's process, for `--cpu-split`
 
 
 #: What `--cpu-split` charges each batch's CPU time to, in the order its table prints them.
@@ -195,7 +193,15 @@ def machine_busy_s() -> float:
     return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
 
 
-def cpu_parts_s(target: Target) -> dict[str, float]:
+@dataclass(frozen=True)
+class CpuSplit:
+    """`--cpu-split`: how long each batch's window stays open after its last answer, and the upstream's process."""
+
+    settle_s: float
+    upstream_pid: int
+
+
+def cpu_parts_s(target: Target, upstream_pid: int) -> dict[str, float]:
     """Cumulative CPU seconds of each part `--cpu-split` reports, for a batch of `target`: a direct target has no
     serving process or capture writer of its own (other gateways' idle work counts only in "machine")."""
     serving = writer = 0.0
@@ -208,7 +214,7 @@ def cpu_parts_s(target: Target) -> dict[str, float]:
                     writer += sum(process.cpu_times()[:2])
     return {
         "load generator": sum(psutil.Process().cpu_times()[:2]),
-        "upstream": sum(psutil.Process(target.upstream_pid).cpu_times()[:2]) if target.upstream_pid else 0.0,
+        "upstream": sum(psutil.Process(upstream_pid).cpu_times()[:2]),
         "serving": serving,
         "capture writer": writer,
         "machine": machine_busy_s(),
@@ -222,11 +228,11 @@ async def run_batch(
     count: int,
     into: Samples,
     *,
-    settle_s: float | None = None,
+    split: CpuSplit | None = None,
 ) -> None:
     """Send ``count`` requests with ``load.concurrency`` in flight; a request fails unless it is 200
-    and, for streams, ends with ``[DONE]``. With `settle_s` (`--cpu-split`), CPU time by part is counted from
-    the batch's start to `settle_s` after its end."""
+    and, for streams, ends with ``[DONE]``. With `split` (`--cpu-split`), CPU time by part is counted from
+    the batch's start to its `settle_s` after its end."""
     remaining = count
 
     async def worker() -> None:
@@ -247,15 +253,15 @@ async def run_batch(
 
     process = psutil.Process(target.pid) if target.pid else None
     cpu_before = serving_cpu_s(process) if process is not None else 0.0
-    parts_before = cpu_parts_s(target) if settle_s is not None else {}
+    parts_before = cpu_parts_s(target, split.upstream_pid) if split is not None else {}
     started, errors_before = time.perf_counter(), into.errors
     await asyncio.gather(*(worker() for _ in range(load.concurrency)))
     elapsed = time.perf_counter() - started
     if process is not None:
         into.cpu_s += serving_cpu_s(process) - cpu_before
-    if settle_s is not None:
-        await asyncio.sleep(settle_s)  # a benchmark's window, not a wait for a condition
-        for part, spent in cpu_parts_s(target).items():
+    if split is not None:
+        await asyncio.sleep(split.settle_s)  # a benchmark's window, not a wait for a condition
+        for part, spent in cpu_parts_s(target, split.upstream_pid).items():
             into.cpu_parts_s[part] = into.cpu_parts_s.get(part, 0.0) + spent - parts_before[part]
     into.busy_s += elapsed
     into.batch_rates.append((count - (into.errors - errors_before)) / elapsed)
@@ -306,6 +312,7 @@ async def run_scenario(
     *,
     stream: bool,
     concurrency: int,
+    upstream_pid: int,
 ) -> dict[str, Any]:
     request: dict[str, Any] = {"model": args.model, "messages": [{"role": "user", "content": args.prompt}]}
     if stream:
@@ -329,7 +336,7 @@ async def run_scenario(
                     load,
                     batch,
                     samples[target.name],
-                    settle_s=args.settle_s if args.cpu_split else None,
+                    split=CpuSplit(args.settle_s, upstream_pid) if args.cpu_split else None,
                 )
     gateway = gateways[0]
     d, g = samples[direct.name].summary(), samples[gateway.name].summary()
@@ -463,7 +470,6 @@ def start_servers(
         "upstream", f"http://127.0.0.1:{up_port}/v1/chat/completions", f"http://127.0.0.1:{up_port}/health"
     )
     started = [processes.start(direct.name, upstream_cmd)]
-    direct = dataclasses.replace(direct, upstream_pid=started[0].pid)
     if args.self_test:
         gateway_cmd = [sys.executable, "-m", "tests.support.scripted_upstream", "--port", str(gw_port)]
         started.append(processes.start("gateway", gateway_cmd))
@@ -513,7 +519,6 @@ def start_servers(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 f"http://127.0.0.1:{port}/healthz",
                 pid=process.pid,
-                upstream_pid=direct.upstream_pid,
             )
         )
     return direct, gateways, started
@@ -554,7 +559,13 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     await enable_privacy(args, Path(tmp), processes)
                 scenarios = [
                     await run_scenario(
-                        session, direct, gateways, args, stream=stream, concurrency=concurrency
+                        session,
+                        direct,
+                        gateways,
+                        args,
+                        stream=stream,
+                        concurrency=concurrency,
+                        upstream_pid=started[0].pid,  # the first process started is the upstream
                     )
                     for concurrency in args.concurrency
                     for stream in (False, True)
