@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
@@ -36,12 +37,19 @@ _SYNC_TO_ASYNC_DRIVERS = {
 }
 
 
-def cpu_list(cores: str) -> set[int]:
-    """The cores a Linux CPU list names (`0-3,6`), as `taskset` and VLLM_CPU_OMP_THREADS_BIND write them."""
+_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def cpu_list(cores: str) -> set[int] | None:
+    """The cores a CPU list names (`0-3,6`, as `taskset` writes it; VLLM_CPU_OMP_THREADS_BIND also separates its
+    ranks' lists with `|`); None for anything else (vLLM's `auto` or `nobind`: cores it picks itself)."""
     found: set[int] = set()
-    for part in cores.split(","):
-        first, _, last = part.strip().partition("-")
-        found.update(range(int(first), int(last or first) + 1))
+    for part in re.split(r"[,|]", cores):
+        match = _CPU_RANGE.fullmatch(part.strip())
+        if match is None:
+            return None
+        first, last = int(match[1]), int(match[2] or match[1])
+        found.update(range(first, last + 1))
     return found
 
 
@@ -552,8 +560,8 @@ class Settings(BaseSettings):
         ge=0,
         description="CPU threads of the training child (its `OMP_NUM_THREADS`). 0: what suits the machine. Where "
         "vLLM runs on this machine's CPU (started here, or at a loopback KAIZEN_VLLM_URL, with no GPU visible), "
-        "the cores KAIZEN_VLLM_REPLICA_CPUS leaves free, else 1: on 2 cores a run beside live calls took 21 s so, "
-        "and 458 s with a thread per core competing with vLLM's (docs/performance.md). Otherwise, or when "
+        "the cores KAIZEN_VLLM_REPLICA_CPUS leaves free, else 1 (on 2 cores a run beside live calls took 21 s with "
+        "one thread, 458 s with a thread per core competing with vLLM's: docs/performance.md). Otherwise, or when "
         "OMP_NUM_THREADS is set, the child inherits this process's threads (torch's default: one per core).",
     )
     vllm_replica_cpus: str = Field(
@@ -633,10 +641,13 @@ class Settings(BaseSettings):
         0: the child inherits ours."""
         if self.train_threads or "OMP_NUM_THREADS" in os.environ or not self._vllm_on_this_cpu():
             return self.train_threads
-        bound = [cpu_list(cores) for cores in self.vllm_replica_cpus.split(";") if cores.strip()]
-        if not bound:
-            return 1
-        return max(1, len(os.sched_getaffinity(0).difference(*bound)))
+        bound: set[int] = set()
+        for cores in filter(str.strip, self.vllm_replica_cpus.split(";")):
+            listed = cpu_list(cores)
+            if listed is None:  # a replica that vLLM binds itself
+                return 1
+            bound |= listed
+        return max(1, len(os.sched_getaffinity(0) - bound)) if bound else 1
 
     def _vllm_on_this_cpu(self) -> bool:
         """Whether the engine is vLLM computing on this machine's cores: started by this gateway or reached on

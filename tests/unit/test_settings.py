@@ -138,6 +138,7 @@ def test_training_threads_leave_vllm_on_this_cpu_its_cores(monkeypatch: pytest.M
     assert split == max(1, len(cores) - 1)
     everything = ",".join(str(core) for core in cores)
     assert Settings.load(vllm_replica_cpus=everything).training_threads() == 1
+    assert Settings.load(vllm_replica_cpus=f"{first};auto").training_threads() == 1  # cores vLLM picks
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert Settings.load().training_threads() == 0  # the child inherits the operator's choice
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -149,6 +150,8 @@ def test_training_threads_leave_vllm_on_this_cpu_its_cores(monkeypatch: pytest.M
 def test_cpu_lists_and_hidden_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_list("0-3,6") == {0, 1, 2, 3, 6}
     assert cpu_list("5") == {5}
+    assert cpu_list("0-1|2-3") == {0, 1, 2, 3}  # one list per rank of a replica
+    assert cpu_list("auto") is None and cpu_list("nobind") is None and cpu_list("0-") is None
     for hidden in ("", "-1"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         assert not gpu_visible()
