@@ -27,15 +27,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai._legacy_response import LegacyAPIResponse
-from openai.types.chat import ChatCompletion
 
 from gateway.commands.serve_process import GatewayProcess
 from gateway.settings import async_database_url
 from storage.database import Database
 from storage.policies import activate_version, adapter_dir, add_adapter, create_policy
+from tests.support.child_gateway import SdkChat, replica_set, sdk_chat
 from tests.support.child_gateway import kill as child_kill
-from tests.support.child_gateway import replica_set, sdk_chat
 from tests.support.child_gateway import start as child_start
 from tests.support.polling import wait_until_async
 from tests.support.postgres import PostgresServer
@@ -60,7 +58,7 @@ class Cluster:
     database_url: str
     data_dir: Path
 
-    async def chat(self, index: int, **request: Any) -> LegacyAPIResponse[ChatCompletion]:
+    async def chat(self, index: int, **request: Any) -> SdkChat:
         """A chat call to replica `index % REPLICAS` through the SDK: its raw response."""
         return await sdk_chat(self.gateways[index % REPLICAS], **request)
 
@@ -176,7 +174,7 @@ def test_a_conversation_across_replicas_is_one_episode(cluster: Cluster) -> None
         calls, episodes = [], []
         for turn in range(TURNS):
             raw = await cluster.chat(number + turn, model="scripted-1", messages=messages)
-            reply = raw.parse().choices[0].message
+            reply = raw.completion.choices[0].message
             calls.append(raw.headers["x-request-id"])
             episodes.append(raw.headers["x-episode-id"])
             messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": f"turn {turn + 1}"}]

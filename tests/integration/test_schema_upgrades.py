@@ -223,7 +223,7 @@ async def call(gateway: GatewayProcess) -> str:
     raw = await sdk_chat(
         gateway, model="scripted-1", messages=[{"role": "user", "content": "served by older code"}]
     )
-    assert raw.parse().choices[0].message.content == "echo: served by older code"
+    assert raw.completion.choices[0].message.content == "echo: served by older code"
     return raw.headers["x-request-id"]
 
 

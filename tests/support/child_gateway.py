@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from openai import AsyncOpenAI
-from openai._legacy_response import LegacyAPIResponse
 from openai.types.chat import ChatCompletion
 
 from gateway.commands.serve_process import GatewayProcess
@@ -44,11 +45,19 @@ def sdk(gateway: GatewayProcess) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=gateway.url + "/v1", api_key=gateway.api_key, max_retries=0, timeout=60)
 
 
-async def sdk_chat(gateway: GatewayProcess, **request: Any) -> LegacyAPIResponse[ChatCompletion]:
-    """One non-streamed chat call through the SDK on a client of its own, closed before returning: the raw
-    response, read whole (`.headers`, `.parse()`)."""
+@dataclass(frozen=True)
+class SdkChat:
+    """A chat call's answer as the SDK parsed it, with the HTTP headers it came with (ids, the served version)."""
+
+    headers: httpx.Headers
+    completion: ChatCompletion
+
+
+async def sdk_chat(gateway: GatewayProcess, **request: Any) -> SdkChat:
+    """One non-streamed chat call through the SDK on a client of its own, closed before returning."""
     async with sdk(gateway) as client:
-        return await client.chat.completions.with_raw_response.create(**request)
+        raw = await client.chat.completions.with_raw_response.create(**request)
+        return SdkChat(raw.headers, raw.parse())
 
 
 async def start(gateway: GatewayProcess, timeout_s: float = 60) -> None:
