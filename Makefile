@@ -188,7 +188,8 @@ bench-canary: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_canary --out tests/bench/results/canary.json
 
 # Latency of live calls while a training run trains beside them, against idle (vLLM with the embedded model), with
-# the cores shared and split (about 15 minutes on the reference CPU). On a GPU machine: see the module docstring.
+# the default (one training thread), a training thread per core and the cores split (about 25 minutes on the
+# reference CPU, most of it the run with a thread per core). On a GPU machine: see the module docstring.
 bench-serving-during-training: install install-vllm models
 	$(BIN)/python -m tests.bench.bench_serving_during_training --variant default: \
 		--variant "cores:KAIZEN_TRAIN_THREADS=$$(nproc)" \
