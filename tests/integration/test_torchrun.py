@@ -25,8 +25,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 #: A training process stand-in: asks to die with torchrun and says it started (with its pid), then exits with the
-#: status it is given or waits for a signal, which it takes as `python -m trainer.learner` does (no traceback of
-#: its own).
+#: status it is given (only on the rank given after it, if one is) or waits for a signal, which it takes as
+#: `python -m trainer.learner` does (no traceback of its own).
 WORKER = """
 import os, sys, time
 from pathlib import Path
@@ -34,7 +34,7 @@ from trainer.learner.torchrun import die_with_launcher
 
 die_with_launcher()
 Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
-if len(sys.argv) > 2:
+if len(sys.argv) > 2 and sys.argv[3:] in ([], [os.environ["RANK"]]):
     status = int(sys.argv[2])
     if status < 0:
         os.kill(os.getpid(), -status)
@@ -113,6 +113,15 @@ def test_a_run_that_ends_by_itself_exits_with_its_trainers_status(
     assert "Traceback" not in output, output[-4000:]
     if status != 0:
         assert "Root Cause (first observed failure)" in output, output[-4000:]
+
+
+def test_the_first_trainer_to_fail_sets_the_status_not_one_torchrun_stopped(tmp_path: Path) -> None:
+    """When one process fails, torchrun stops the others (SIGTERM): the launcher exits with the failed one's
+    status, not with the 143 of a rank 0 that torchrun stopped."""
+    launcher = launch(tmp_path, "3", "1")  # rank 1 exits 3; rank 0 trains on until torchrun stops it
+    output, _ = launcher.communicate(timeout=180)
+    assert "closing signal SIGTERM" in output, output[-4000:]
+    assert launcher.returncode == 3, output[-4000:]
 
 
 def test_a_killed_launcher_takes_its_processes_with_it(tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ Two of torchrun's ends are not crashes of the launcher, yet plain torchrun print
 - a stop by signal (Kubernetes, a scheduler, Ctrl-C): torchrun hands the signal to every trainer, then raises it
   out of its main function. Here it ends in one log line and 128 + the signal's number.
 - a trainer that exits non-zero, as `python -m trainer.learner` does (3) when its run was skipped or failed. Here
-  torchrun's summary of the failed processes is logged and the command exits with the status of rank 0 (the
-  run), so a run on several processes exits as the same run on one process would.
+  torchrun's summary of the failed processes is logged and the command exits with the status of the first
+  process that failed (torchrun's root cause), so a run on several processes exits as the same run on one
+  process would. Not rank 0's: when another rank fails first, torchrun stops rank 0 itself, with SIGTERM.
 
 torchrun starts every trainer in a session of its own, so a SIGKILL to torchrun's process group (the end of a
 stop that took too long) does not reach them, and nothing stops them once torchrun is gone: they would train on,
@@ -42,7 +43,9 @@ def main() -> int:
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
         log.error("training processes failed; torchrun's summary:%s", failed)  # its message is the summary
-        code = (failed.failures.get(0) or failed.get_first_failure()[1]).exitcode  # non-zero; -n: killed by n
+        # The processes torchrun stopped after it are recorded later, so the earliest record is the one that
+        # failed by itself. Non-zero; -n: killed by signal n.
+        code = failed.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else code
     return 0
 
