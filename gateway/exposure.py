@@ -24,8 +24,9 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import KeyRing
 from gateway.bare_asgi import send_json
+from gateway.machine import is_loopback
 from gateway.rate_limits import LimitKind
-from gateway.settings import Settings, is_loopback
+from gateway.settings import Settings
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _HOST_NOT_ALLOWED = msgspec.json.encode(

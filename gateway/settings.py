@@ -6,9 +6,7 @@ Each field's description is its documentation: the CLI help and the docs/configu
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
@@ -22,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.machine import cpu_list, gpu_visible, is_loopback
 from trainer.control.outbound import url_problem
 from trainer.control.ruler import JudgeSettings
 
@@ -35,40 +34,6 @@ _SYNC_TO_ASYNC_DRIVERS = {
     "postgresql+psycopg2": "postgresql+asyncpg",
     "postgresql+psycopg": "postgresql+asyncpg",
 }
-
-
-_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
-
-
-def cpu_list(cores: str) -> set[int] | None:
-    """The cores a CPU list names (`0-3,6`, as `taskset` writes it; VLLM_CPU_OMP_THREADS_BIND also separates its
-    ranks' lists with `|`); None for anything else (vLLM's `auto` or `nobind`: cores it picks itself)."""
-    found: set[int] = set()
-    for part in re.split(r"[,|]", cores):
-        match = _CPU_RANGE.fullmatch(part.strip())
-        if match is None:
-            return None
-        first, last = int(match[1]), int(match[2] or match[1])
-        found.update(range(first, last + 1))
-    return found
-
-
-def gpu_visible() -> bool:
-    """Whether a GPU is present and not hidden by CUDA_VISIBLE_DEVICES, judged from device files: the serving
-    process does not load torch to ask."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
-        return False
-    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name, or an address with or without IPv6 brackets) is this machine's loopback."""
-    if host.strip("[]").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost may resolve to anything
 
 
 def async_database_url(url: str) -> str:
@@ -656,7 +621,7 @@ class Settings(BaseSettings):
             is_loopback(urlsplit(url).hostname or "") for url in self.vllm_urls
         ):
             return False
-        return not gpu_visible()
+        return not gpu_visible(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     @property
     def vllm_urls(self) -> list[str]:

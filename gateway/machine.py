@@ -1,0 +1,41 @@
+"""What this machine has, as the settings' defaults need to know it: its cores, whether a GPU is visible, and
+which host names are its loopback. Read from files and strings only: the serving process does not load torch."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+
+_CPU_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def cpu_list(cores: str) -> set[int] | None:
+    """The cores a CPU list names (`0-3,6`, as `taskset` writes it; VLLM_CPU_OMP_THREADS_BIND also separates its
+    ranks' lists with `|`); None for anything else (vLLM's `auto` or `nobind`: cores it picks itself)."""
+    found: set[int] = set()
+    for part in re.split(r"[,|]", cores):
+        match = _CPU_RANGE.fullmatch(part.strip())
+        if match is None:
+            return None
+        first, last = int(match[1]), int(match[2] or match[1])
+        found.update(range(first, last + 1))
+    return found
+
+
+def gpu_visible(cuda_visible_devices: str | None) -> bool:
+    """Whether a GPU is present (a device file of NVIDIA's or AMD's driver) and not hidden by this
+    CUDA_VISIBLE_DEVICES (None: not set)."""
+    if cuda_visible_devices is not None and cuda_visible_devices.strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, or an address with or without IPv6 brackets) is this machine's loopback."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
