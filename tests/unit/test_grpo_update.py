@@ -8,8 +8,15 @@ import torch
 from trainer.control.collapse import CollapseBounds
 from trainer.control.policy_config import TrainConfig
 from trainer.learner.batch import TokenizedSample, collate
-from trainer.learner.grpo import CollapseMonitor, _forward_logprobs, plan_steps
-from trainer.learner.model import bf16_supported, load_policy
+from trainer.learner.grpo import CollapseMonitor, _forward_logprobs, plan_steps, planned_passes, run_update
+from trainer.learner.model import (
+    COMPILE_MIN_PASSES,
+    LocalSampler,
+    _CompiledWhenTraining,
+    bf16_supported,
+    compile_layers,
+    load_policy,
+)
 
 
 def test_plan_steps_keeps_the_shuffled_steps_and_sorts_each_by_length() -> None:
@@ -130,3 +137,91 @@ def test_the_collapse_monitor_measures_kl_to_where_the_run_started_and_restores_
     monitor(2)
     assert abs(monitor.history[-1]["kl_to_start"]) > 1e-4
     assert all(torch.equal(p, t) for p, t in zip(trainable, trained, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("samples", "micro", "accumulation", "epochs"), [(16, 8, 2, 1), (37, 4, 3, 2), (5, 8, 2, 3)]
+)
+def test_planned_passes_are_the_micro_batches_plan_steps_makes(
+    samples: int, micro: int, accumulation: int, epochs: int
+) -> None:
+    cfg = TrainConfig(micro_batch_size=micro, grad_accumulation=accumulation, epochs=epochs)
+    steps = plan_steps(list(range(samples)), [10] * samples, micro, accumulation)
+
+    assert planned_passes(samples, cfg) == sum(len(step) for step in steps) * epochs
+
+
+def test_train_compile_auto_compiles_a_long_run_on_a_gpu_only(tiny_model_dir: Path) -> None:
+    """`auto` weighs the run's passes against compiling's cost, on a GPU only; nothing compiles until a pass runs,
+    so a model on the CPU stands in for one on a GPU here."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    decisions = {}
+    for mode, device, passes in [
+        ("auto", cpu, COMPILE_MIN_PASSES),
+        ("auto", cuda, COMPILE_MIN_PASSES - 1),
+        ("auto", cuda, COMPILE_MIN_PASSES),
+        ("off", cuda, COMPILE_MIN_PASSES),
+        ("on", cpu, 1),
+    ]:
+        cfg = TrainConfig(lora_rank=4, lora_alpha=8, compile=mode)
+        model, _ = load_policy(str(tiny_model_dir), None, cfg, cpu)
+        compiled = compile_layers(model, cfg, device, passes)
+        layers = model.get_base_model().model.layers
+        assert all(isinstance(layer.forward, _CompiledWhenTraining) == compiled for layer in layers)
+        decisions[(mode, device.type, passes)] = compiled
+
+    assert list(decisions.values()) == [False, False, True, False, True]
+
+
+def test_compiled_layers_train_as_eager_ones_and_passes_without_autograd_stay_eager(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`train.compile = "on"` on the CPU: the logprobs and LoRA gradients of eager layers, one compiled graph for
+    micro-batches of new lengths, and sampling and other passes without autograd left eager. In float32: in bf16
+    the compiler's fused kernels round differently from eager ones (about 1% of a gradient on this CPU)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("trainer.learner.model.bf16_supported", lambda device: False)
+    device = torch.device("cpu")
+    samples = [
+        TokenizedSample([3, 4, 5, 6, 7, 8, 9, 10], [False] * 3 + [True] * 5, [None] * 8, 1.0),
+        TokenizedSample([3, 4, 11, 12], [False] * 2 + [True] * 2, [None] * 4, -1.0),
+        TokenizedSample([3, 5, 6, 13, 14, 15], [False] * 3 + [True] * 3, [None] * 6, 0.5),
+        TokenizedSample([3, 7, 16], [False] * 2 + [True], [None] * 3, -0.5),
+    ]
+    batch = collate(samples, pad_id=0)
+    results = {}
+    torch._dynamo.reset()
+    counters.clear()
+    for mode in ("off", "on"):
+        cfg = TrainConfig(lora_rank=4, lora_alpha=8, micro_batch_size=2, grad_accumulation=1, compile=mode)
+        model, tokenizer = load_policy(str(tiny_model_dir), None, cfg, device)
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # the same non-zero adapter in both, so the LoRA path matters
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        assert compile_layers(model, cfg, device, passes=1) == (mode == "on")
+        model.train()
+        logprobs = _forward_logprobs(model, batch, device)
+        logprobs[batch.loss_mask].sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[mode] = (logprobs.detach(), grads)
+        if mode == "on":
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs >= 1  # the layers ran compiled
+            run_update(model, samples, cfg, pad_id=0, device=device)  # micro-batches of two other lengths
+            tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            LocalSampler(model, tokenizer, device, max_new_tokens=4).sample_many(
+                [([{"role": "user", "content": "t3 t4"}], None)], 2
+            )
+            with torch.no_grad():
+                _forward_logprobs(model, batch, device)
+            assert counters["stats"]["unique_graphs"] == graphs
+
+    (lp_eager, g_eager), (lp_compiled, g_compiled) = results["off"], results["on"]
+    mask = batch.loss_mask
+    torch.testing.assert_close(lp_compiled[mask], lp_eager[mask], atol=1e-5, rtol=1e-4)
+    assert g_eager.keys() == g_compiled.keys() and g_eager
+    for name in g_eager:
+        torch.testing.assert_close(g_compiled[name], g_eager[name], atol=1e-5, rtol=1e-4)

@@ -62,12 +62,15 @@ def _forward_logprobs(model: Any, batch: Batch, device: torch.device, start: int
     """Logprobs of ``batch.targets[:, start:]``; logits are computed only from column `start` on.
 
     The vocabulary projection is a large share of a small model's compute, and prompt positions carry no loss.
+    No key/value cache: nothing is generated after the pass (and a compiled layer would compile again for each
+    layer's cache entry).
     """
     with autocast(device):
         logits = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             logits_to_keep=batch.input_ids.shape[1] - start,
+            use_cache=False,
         ).logits
     return token_logprobs(logits, batch.targets[:, start:])
 
@@ -94,6 +97,13 @@ def plan_steps(
         window = sorted(order[start : start + per_step], key=lambda i: -lengths[i])
         steps.append([window[i : i + micro_batch] for i in range(0, len(window), micro_batch)])
     return steps
+
+
+def planned_passes(samples: int, cfg: TrainConfig) -> int:
+    """The forward and backward passes `run_update` makes over `samples` samples (`plan_steps`' micro-batches)."""
+    per_step = cfg.micro_batch_size * cfg.grad_accumulation
+    full, rest = divmod(samples, per_step)
+    return (full * cfg.grad_accumulation + math.ceil(rest / cfg.micro_batch_size)) * cfg.epochs
 
 
 @dataclass
@@ -142,15 +152,20 @@ def accumulate_step(
         # A process with no micro-batch left still runs a pass (the engine's collectives need every process),
         # weighted zero.
         indices, weight = (window[0], 0.0) if pass_indices is None else (pass_indices, scale)
-        batch = collate([samples[i] for i in indices], pad_id).to(device)
-        start = _first_loss_column(batch)
+        # What the host can count, it counts before the batch goes to the device: on a GPU each value read
+        # back waits for every kernel queued before it.
+        host = collate([samples[i] for i in indices], pad_id)
+        start = _first_loss_column(host)
+        imitating = bool(host.demonstrations.any())
+        seen = int(host.attention_mask.sum())
+        batch = host.to(device)
         logprobs = _forward_logprobs(model, batch, device, start)
         old_lp = None
         if first_epoch:
+            visited = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+            visited[:, start:] = logprobs.detach().cpu()  # one copy back for the micro-batch
             for row, index in enumerate(indices):
-                full = torch.zeros(batch.input_ids.shape[1])
-                full[start:] = logprobs[row].detach().cpu()
-                old[index] = full
+                old[index] = visited[row]
         else:
             old_lp = _stack_old(old, indices, batch.input_ids.shape)[:, start:].to(device)
         ref = None
@@ -175,7 +190,7 @@ def accumulate_step(
         )
         loss = out.loss
         sft = None
-        if bool(batch.demonstrations.any()):
+        if imitating:
             sft = sft_loss(logprobs, mask & imitate, weight=sft_weight, normaliser=normaliser)
             loss = loss + sft.loss
         (loss * weight).backward()  # type: ignore[no-untyped-call]
@@ -186,7 +201,7 @@ def accumulate_step(
             totals.sft_nll += float(sft.mean_nll) * sft.num_tokens
         n = out.num_tokens
         totals.loss_tokens += n
-        totals.seen_tokens += int(batch.attention_mask.sum())
+        totals.seen_tokens += seen
         for name, value in out.metrics().items() if n else ():
             if name == "loss":
                 totals.sums["loss"] = totals.sums.get("loss", 0.0) + value * normaliser
@@ -218,7 +233,10 @@ def run_update(
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    # On a GPU, one fused kernel updates every LoRA tensor instead of a few launches per group of them.
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None
+    )
     model.train()
     result = UpdateResult()
     old: dict[int, Tensor] = {}

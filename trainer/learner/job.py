@@ -433,11 +433,14 @@ def update_together(
     Everything here is collective under several processes, in the same order on each of them. Only rank 0 has
     the scorer; its checks' verdicts are shared with the others."""
     from trainer.learner.distributed import full_trainable_state, shard
-    from trainer.learner.grpo import CollapseMonitor
+    from trainer.learner.grpo import CollapseMonitor, planned_passes
+    from trainer.learner.model import compile_layers
     from trainer.learner.sft import run_phases
 
     if ranks is not None:
         model = shard(model, cfg.sharding, device)
+    else:
+        compile_layers(model, cfg, device, sum(planned_passes(len(p.samples), p.cfg) for p in phases))
     monitor = CollapseMonitor(model, tokenizer, contexts, cfg, device, cfg.bounds(), score, ranks=ranks)
     monitor.start()
     result = run_phases(
