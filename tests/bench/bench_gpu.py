@@ -9,7 +9,8 @@ run in the order ``--phases`` names them:
 2. ``engine``: ``bench_engine`` against it: vLLM's CUDA build started as the gateway starts it, generation
    throughput through the base model and through a LoRA adapter at each ``--streams``, adapter loads, and hot
    reload under load (``--hot-streams`` LoRA streams running while new adapter versions are loaded).
-3. ``train``: ``bench_train`` on it: Kaizen's GRPO update against TRL's on the same batch, on the GPU.
+3. ``train``: ``bench_train`` on it: Kaizen's GRPO update (layers compiled, as a run on a GPU does, and not)
+   against TRL's on the same batch, on the GPU.
 4. ``unsloth``: Kaizen's update with the base loaded through Unsloth (``train.loader = "unsloth"``) beside the
    same update through transformers + PEFT, in one run (``--unsloth-site``: a directory where the ``gpu`` extra is
    installed, put first on that phase's path).
@@ -294,7 +295,14 @@ def run_bench_train(
 
 
 def phase_train(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
-    run_bench_train(args, summary, trace, "train", _base_env(), [])
+    """Kaizen's update as a run sets it up (layers compiled) and with nothing compiled, beside TRL's two setups."""
+    sides = [
+        "kaizen-eager",
+        "trl-no-gc",
+        "kaizen",
+        "trl",
+    ]  # the compiled side may fail: the others come first
+    run_bench_train(args, summary, trace, "train", _base_env(), ["--sides", *sides])
 
 
 def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:
