@@ -23,9 +23,18 @@ run in the order ``--phases`` names them:
 
     python -m tests.bench.bench_gpu --out-dir tests/bench/results/gpu [--phases model engine train unsloth demo]
 
-It needs vLLM's CUDA build in the Python it runs under (``make install-vllm VLLM_BUILD=gpu`` puts it in
+The ``engine`` and ``demo`` phases need vLLM's CUDA build (``make install-vllm VLLM_BUILD=gpu`` puts it in
 ``.venv-vllm``; pass that interpreter as ``KAIZEN_VLLM_PYTHON``). Random weights make the served text noise;
-throughput and memory do not depend on it."""
+throughput and memory do not depend on it.
+
+``model`` and ``train`` need only a CUDA build of torch and the training stack, so they also run on a GPU machine
+that has torch but no network (how the 2026-12-06 run was made): download the wheels of the pinned versions
+(``requirements/app.txt``: transformers, tokenizers, huggingface_hub, safetensors, accelerate, peft, trl, datasets,
+fsspec, dill, multiprocess, and for Kaizen's own imports pydantic, pydantic_core, annotated-types,
+typing-inspection, typing_extensions, msgspec, SQLAlchemy, greenlet, zstandard) with ``pip download --no-deps
+--only-binary=:all: --python-version <its Python> --platform manylinux2014_x86_64 ...``, copy them and the
+embedded model's tokenizer files over, ``pip install --no-index --no-deps --target DIR`` them there, put ``DIR``
+and the checkout on ``PYTHONPATH``, and pass ``--tokenizer-from`` the tokenizer's directory."""
 
 from __future__ import annotations
 
