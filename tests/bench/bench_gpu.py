@@ -329,7 +329,7 @@ def phase_unsloth(args: argparse.Namespace, summary: dict[str, Any], trace: Memo
         logger.error("phase unsloth skipped: %s", reason)
         summary["phases"]["unsloth"] = {"name": "unsloth", "skipped": reason}
         return
-    run_bench_train(args, summary, trace, "unsloth", env, ["--sides", "kaizen", "kaizen-unsloth"])
+    run_bench_train(args, summary, trace, "unsloth", env, ["--sides", "kaizen-eager", "kaizen-unsloth"])
 
 
 def phase_demo(args: argparse.Namespace, summary: dict[str, Any], trace: MemoryTrace) -> None:

@@ -155,22 +155,23 @@ def test_train_compile_auto_compiles_a_long_run_on_a_gpu_only(tiny_model_dir: Pa
     """`auto` weighs the run's passes against compiling's cost, on a GPU only; nothing compiles until a pass runs,
     so a model on the CPU stands in for one on a GPU here."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    decisions = {}
-    for mode, device, passes in [
-        ("auto", cpu, COMPILE_MIN_PASSES),
-        ("auto", cuda, COMPILE_MIN_PASSES - 1),
-        ("auto", cuda, COMPILE_MIN_PASSES),
-        ("off", cuda, COMPILE_MIN_PASSES),
-        ("on", cpu, 1),
+    decisions = []
+    for mode, device, passes, loader in [
+        ("auto", cpu, COMPILE_MIN_PASSES, "peft"),
+        ("auto", cuda, COMPILE_MIN_PASSES - 1, "peft"),
+        ("auto", cuda, COMPILE_MIN_PASSES, "peft"),
+        ("auto", cuda, COMPILE_MIN_PASSES, "unsloth"),
+        ("off", cuda, COMPILE_MIN_PASSES, "peft"),
+        ("on", cpu, 1, "peft"),
     ]:
-        cfg = TrainConfig(lora_rank=4, lora_alpha=8, compile=mode)
+        cfg = TrainConfig(lora_rank=4, lora_alpha=8, compile=mode, loader=loader)
         model, _ = load_policy(str(tiny_model_dir), None, cfg, cpu)
         compiled = compile_layers(model, cfg, device, passes)
         layers = model.get_base_model().model.layers
         assert all(isinstance(layer.forward, _CompiledWhenTraining) == compiled for layer in layers)
-        decisions[(mode, device.type, passes)] = compiled
+        decisions.append(compiled)
 
-    assert list(decisions.values()) == [False, False, True, False, True]
+    assert decisions == [False, False, True, False, False, True]
 
 
 def test_compiled_layers_train_as_eager_ones_and_passes_without_autograd_stay_eager(

@@ -137,7 +137,7 @@ def compile_layers(model: Any, cfg: TrainConfig, device: torch.device, passes: i
     if cfg.compile == "off":
         return False
     if cfg.compile == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" or cfg.loader == "unsloth":  # Unsloth brings its own kernels: not measured
             return False
         if passes < COMPILE_MIN_PASSES:
             logger.info(
