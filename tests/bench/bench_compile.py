@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Literal
 
-from tests.bench.bench_train import GRAD_ACCUMULATION, MICRO_BATCH, make_data, tokenized
+from tests.bench.bench_train import GRAD_ACCUMULATION, bench_config, make_data, tokenized
 
 logger = logging.getLogger("bench_compile")
 
@@ -35,18 +35,11 @@ def run_mode(model_dir: str, mode: Literal["on", "off"], device_name: str) -> di
     import torch
     from torch._dynamo.utils import counters
 
-    from trainer.control.policy_config import TrainConfig
     from trainer.learner.grpo import run_update
     from trainer.learner.model import LocalSampler, compile_layers, load_policy
 
     device = torch.device(device_name)
-    cfg = TrainConfig(
-        micro_batch_size=MICRO_BATCH,
-        grad_accumulation=GRAD_ACCUMULATION,
-        learning_rate=1e-5,
-        collapse_check_every=0,
-        compile=mode,
-    )
+    cfg = bench_config(compile=mode)
     started = time.perf_counter()
     model, tokenizer = load_policy(model_dir, None, cfg, device)
     compiled = compile_layers(model, cfg, device, passes=UPDATES * GRAD_ACCUMULATION)

@@ -71,6 +71,17 @@ def make_data(model_dir: str, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_config(**overrides: Any) -> TrainConfig:
+    """The policy settings of Kaizen's side: this batch's micro-batching, no collapse checks during the steps."""
+    return TrainConfig(
+        micro_batch_size=MICRO_BATCH,
+        grad_accumulation=GRAD_ACCUMULATION,
+        learning_rate=1e-5,
+        collapse_check_every=0,
+        **overrides,
+    )
+
+
 def tokenized(rows: list[dict[str, Any]]) -> list[Any]:
     """`make_data`'s rows as the trainer's samples (`trainer.learner.batch.TokenizedSample`)."""
     from trainer.learner.batch import TokenizedSample
@@ -118,14 +129,7 @@ def run_kaizen(
     from trainer.learner.model import compile_layers, load_policy, uses_unsloth
 
     torch.set_num_threads(threads)
-    cfg = TrainConfig(
-        micro_batch_size=MICRO_BATCH,
-        grad_accumulation=GRAD_ACCUMULATION,
-        learning_rate=1e-5,
-        collapse_check_every=0,
-        loader=loader,
-        compile=compile_mode,
-    )
+    cfg = bench_config(loader=loader, compile=compile_mode)
     device = torch.device(device_name)
     model, tokenizer = load_policy(model_dir, None, cfg, device)
     compiled = compile_layers(model, cfg, device, passes=(steps + 1) * GRAD_ACCUMULATION)
