@@ -306,7 +306,7 @@ class TrainConfig(_Section):
         description="Compile each decoder layer for the training passes (torch.compile): `auto` on a CUDA GPU for "
         "a run of at least 500 forward and backward passes, which pays for the compilation (about 45 s on an "
         "H100; then 1.7x the steps per second at a 3B shape), unless Unsloth loads the base; `on` always (a CPU "
-        "gains nothing); `off` never. Only with one training process.",
+        "gains little); `off` never. Only with one training process.",
     )
 
     # --- what went well: supervised fine-tuning on demonstrations (trainer/learner/sft.py)
