@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Literal
 
-from tests.bench.bench_train import GRAD_ACCUMULATION, bench_config, make_data, tokenized
+from tests.bench.bench_train import GRAD_ACCUMULATION, bench_config, in_fresh_process, make_data, tokenized
 
 logger = logging.getLogger("bench_compile")
 
@@ -68,23 +66,8 @@ def run_mode(model_dir: str, mode: Literal["on", "off"], device_name: str) -> di
     }
 
 
-def _child(model_dir: str, mode: Literal["on", "off"], device: str, queue: Any) -> None:
-    logging.disable(logging.WARNING)
-    try:
-        queue.put(run_mode(model_dir, mode, device))
-    except BaseException:
-        queue.put({"mode": mode, "error": traceback.format_exc()})
-        raise
-
-
 def measure(model_dir: str, mode: Literal["on", "off"], device: str) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(model_dir, mode, device, queue))
-    process.start()
-    result: dict[str, Any] = queue.get()
-    process.join()
-    return result
+    return {"mode": mode, **in_fresh_process(run_mode, model_dir, mode, device)}
 
 
 def main(argv: list[str] | None = None) -> int:

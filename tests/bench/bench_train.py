@@ -28,8 +28,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trainer.control.policy_config import TrainConfig
 
@@ -120,7 +121,7 @@ def run_kaizen(
     threads: int,
     device_name: str,
     *,
-    compile_mode: str = "auto",
+    compile_mode: Literal["auto", "on", "off"] = "auto",
     loader: str = "peft",
 ) -> dict[str, Any]:
     import torch
@@ -273,34 +274,42 @@ SIDES = ("kaizen", "trl", "trl-no-gc")
 EXTRA_SIDES = ("kaizen-eager", "kaizen-unsloth")
 
 
-def _child(
-    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str, queue: Any
-) -> None:
+def _side(
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str
+) -> dict[str, Any]:
+    if side.startswith("kaizen"):
+        # A long run on a GPU compiles (`train.compile = "auto"`); this one is short, so it is asked for.
+        compile_mode = "on" if device == "cuda" and side == "kaizen" else "off"
+        loader = "unsloth" if side == "kaizen-unsloth" else "peft"
+        return run_kaizen(model_dir, rows, steps, threads, device, compile_mode=compile_mode, loader=loader)
+    return run_trl(model_dir, rows, steps, threads, device, gradient_checkpointing=side == "trl")
+
+
+def _report(target: Callable[..., dict[str, Any]], args: tuple[Any, ...], queue: Any) -> None:
     logging.disable(logging.WARNING)
     try:
-        if side.startswith("kaizen"):
-            # A long run on a GPU compiles (`train.compile = "auto"`); this one is short, so it is asked for.
-            compile_mode = "on" if device == "cuda" and side == "kaizen" else "off"
-            loader = "unsloth" if side == "kaizen-unsloth" else "peft"
-            queue.put(
-                run_kaizen(model_dir, rows, steps, threads, device, compile_mode=compile_mode, loader=loader)
-            )
-        else:
-            queue.put(run_trl(model_dir, rows, steps, threads, device, gradient_checkpointing=side == "trl"))
+        queue.put(target(*args))
     except BaseException:
         queue.put({"error": traceback.format_exc()})
         raise
 
 
-def measure(
-    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str
-) -> dict[str, float]:
+def in_fresh_process(target: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`target(*args)` in a new process (its own peak memory, nothing imported or compiled before it): its result,
+    or ``{"error": traceback}``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=_child, args=(side, model_dir, rows, steps, threads, device, queue))
+    process = ctx.Process(target=_report, args=(target, args, queue))
     process.start()
     result: dict[str, Any] = queue.get()
     process.join()
+    return result
+
+
+def measure(
+    side: str, model_dir: str, rows: list[dict[str, Any]], steps: int, threads: int, device: str
+) -> dict[str, Any]:
+    result = in_fresh_process(_side, side, model_dir, rows, steps, threads, device)
     if "error" in result:
         raise RuntimeError(f"{side} run failed:\n{result['error']}")
     return result
