@@ -45,10 +45,13 @@ def serve_command(args: argparse.Namespace) -> int:
     from gateway.app import build_services, create_app
     from gateway.exposure import open_exposure
     from gateway.http_protocol import http_protocol
+    from gateway.machine import slow_interpreter_note
     from migrations.runner import upgrade_database
 
     settings = load_settings(args)
     configure_logging(settings.log_level)
+    if (note := slow_interpreter_note()) is not None:
+        log.warning("%s", note)
     refusal = open_exposure(settings)
     if refusal is not None and not asyncio.run(_has_managed_keys(settings.database_url)):
         log.error("%s", refusal)

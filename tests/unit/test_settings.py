@@ -13,7 +13,7 @@ from gateway import settings as settings_module
 from gateway.commands.main import build_parser
 from gateway.commands.options import settings_table
 from gateway.exposure import open_exposure
-from gateway.machine import cpu_list, gpu_visible
+from gateway.machine import cpu_list, gpu_visible, plain_shared_build
 from gateway.scheduling import runner_config
 from gateway.settings import Settings, async_database_url
 
@@ -154,3 +154,17 @@ def test_cpu_lists_and_hidden_gpus() -> None:
     assert cpu_list("0-1|2-3") == {0, 1, 2, 3}  # one list per rank of a replica
     assert cpu_list("auto") is None and cpu_list("nobind") is None and cpu_list("0-") is None
     assert not gpu_visible("") and not gpu_visible("-1")
+
+
+def test_plain_shared_python_builds_are_told_apart() -> None:
+    shared = "7f7abc400000-7f7abc4a0000 r--p 00000000 08:01 1234 /root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0\n"
+    static = "55d0c0000000-55d0c0100000 r-xp 00000000 08:01 99 /usr/bin/python3.11\n"
+    pyenv = "'--prefix=/root/.pyenv/versions/3.11.7' '--enable-shared' '--libdir=/root/.pyenv/versions/3.11.7/lib'"
+    docker = "'--enable-loadable-sqlite-extensions' '--enable-optimizations' '--enable-shared' '--with-lto'"
+    debian = (
+        "'--enable-shared' '--prefix=/usr' '--with-computed-gotos'"  # PGO by its own rules; static executable
+    )
+    assert plain_shared_build(pyenv, static + shared)
+    assert not plain_shared_build(docker, static + shared)
+    assert not plain_shared_build(debian, static)
+    assert not plain_shared_build(pyenv, "")  # no /proc: no claim
