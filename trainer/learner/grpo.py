@@ -233,10 +233,10 @@ def run_update(
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    # On a GPU, one fused kernel updates every LoRA tensor instead of a few launches per group of them.
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None
-    )
+    # On a GPU, one fused kernel updates every LoRA tensor instead of a few launches per group of them; elsewhere
+    # torch picks its own implementation (None), as it does by default.
+    fused = True if device.type == "cuda" else None
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, fused=fused)
     model.train()
     result = UpdateResult()
     old: dict[int, Tensor] = {}
