@@ -68,6 +68,6 @@ def slow_interpreter_note() -> str | None:
     return (
         "this Python is a shared build without profile-guided optimisation (configured without "
         "--enable-optimizations): the gateway spends about a tenth more CPU per call on it than on an optimised "
-        "build such as Debian's or Ubuntu's python3 or the Docker image's (docs/performance.md, "
-        "'Which Python runs the gateway')"
+        "build such as Debian's or Ubuntu's python3 or the Docker image's; docs/operations.md, 'The Python "
+        "interpreter', says how to pick another"
     )
