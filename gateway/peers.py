@@ -9,7 +9,9 @@ episode is not served half written, whichever worker answered its turns).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +28,11 @@ Answer = Callable[[str], bytes]
 
 @dataclass(frozen=True)
 class WorkerPeers:
-    """This worker's index and every worker's socket."""
+    """This worker's index, every worker's socket, and the parent that made their directory."""
 
     index: int
     sockets: tuple[Path, ...]
+    parent: int  # its process id
 
 
 class PeerLink:
@@ -53,6 +56,13 @@ class PeerLink:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        own = self.peers.sockets[self.peers.index]
+        own.unlink(missing_ok=True)
+        if os.getppid() != self.peers.parent:
+            # A SIGKILLed parent never removes the directory: the last worker out does (refused while a sibling's
+            # socket is still in it).
+            with contextlib.suppress(OSError):
+                own.parent.rmdir()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

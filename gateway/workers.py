@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import shutil
 import signal
 import socket
@@ -283,7 +284,7 @@ def run_worker(config: WorkerConfig) -> None:
     # A worker does not see the others' calls, so none unloads an idle adapter of the shared engine.
     settings = settings.model_copy(update={"adapter_idle_unload_s": math.inf})
     configure_logging(settings.log_level)
-    peers = WorkerPeers(config.index, peer_sockets(Path(config.peer_dir), config.count))
+    peers = WorkerPeers(config.index, peer_sockets(Path(config.peer_dir), config.count), os.getppid())
     app = create_app(build_services(settings, workers=peers))
     listener = socket.socket(fileno=config.listen_fd)
     server = uvicorn.Server(

@@ -34,7 +34,9 @@ REPLAY_TIMEOUT_S = 30.0
 
 @pytest.fixture
 def gateway(tmp_path: Path, upstream: ScriptedUpstream, database_url: str) -> Iterator[GatewayProcess]:
-    child = upstream_gateway(tmp_path / "data", database_url, upstream.url, {"KAIZEN_WORKERS": "2"})
+    (tmp_path / "tmp").mkdir()  # the gateway's TMPDIR: where its workers' peer sockets live (`peer_dirs`)
+    env = {"KAIZEN_WORKERS": "2", "TMPDIR": str(tmp_path / "tmp")}
+    child = upstream_gateway(tmp_path / "data", database_url, upstream.url, env)
     yield child
     child.stop()
 
@@ -49,6 +51,11 @@ def workers(gateway: GatewayProcess) -> list[psutil.Process]:
     assert gateway.process is not None
     children = psutil.Process(gateway.process.pid).children()
     return [c for c in children if "gateway.workers" in " ".join(c.cmdline())]
+
+
+def peer_dirs(tmp_path: Path) -> list[Path]:
+    """The private directories of the workers' peer sockets that the `gateway` fixture's parent made."""
+    return list((tmp_path / "tmp").glob("kaizen-workers-*"))
 
 
 def family_tree(gateway: GatewayProcess) -> list[psutil.Process]:
@@ -150,10 +157,11 @@ def test_two_workers_share_the_port_and_a_killed_worker_loses_nothing(
 @pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_workers_stop_with_a_killed_parent_and_store_what_they_answered(
-    gateway: GatewayProcess, database_url: str
+    gateway: GatewayProcess, database_url: str, tmp_path: Path
 ) -> None:
     """A SIGKILLed parent cannot stop its workers itself: the kernel tells them (SIGTERM), and each finishes
-    and stores what it answered. A single gateway on the same data then finds everything stored."""
+    and stores what it answered. A single gateway on the same data then finds everything stored. Nor can it
+    remove the workers' socket directory: the last worker to go does."""
 
     async def scenario() -> set[str]:
         await start(gateway)
@@ -164,8 +172,10 @@ def test_workers_stop_with_a_killed_parent_and_store_what_they_answered(
         assert not load.failed, load.failed
         tree = family_tree(gateway)
         assert len([p for p in tree if "gateway.workers" in " ".join(p.cmdline())]) == 2
+        assert len(peer_dirs(tmp_path)) == 1
         await kill(gateway)
         assert await gone(tree), [p.cmdline() for p in tree if p.is_running()]
+        assert not peer_dirs(tmp_path), [sorted(d.iterdir()) for d in peer_dirs(tmp_path)]
         return set(load.answered.values())
 
     answered = asyncio.run(scenario())
