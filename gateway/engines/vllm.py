@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +158,7 @@ class VLLMEngine(Engine):
         self.adapters: dict[str, str] = {}  # loaded adapter name -> path, re-loaded after a restart
         self.restarts = 0
         self._process: asyncio.subprocess.Process | None = None
+        self._rpc_dir: Path | None = None  # the running server's private directory for its ZeroMQ sockets
         self._ready = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._stopping = False
@@ -197,11 +200,17 @@ class VLLMEngine(Engine):
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             output = self.log_path.open("ab")
         command = self.launch.command()
+        env = self.launch.environment()
+        if "VLLM_RPC_BASE_PATH" not in env:
+            # vLLM's processes talk over ZeroMQ sockets that it names in this directory (the system's temporary
+            # one by default) and leaves there, even after a clean stop: a private one goes with the server.
+            self._rpc_dir = Path(tempfile.mkdtemp(prefix="kaizen-vllm-"))
+            env["VLLM_RPC_BASE_PATH"] = str(self._rpc_dir)
         log.info("starting vLLM: %s", " ".join(command))
         # Its own session (stopped as a group), yet SIGTERMed when the gateway dies, even by SIGKILL.
         self._process = await asyncio.create_subprocess_exec(
             *dying_with_parent(command),
-            env=self.launch.environment(),
+            env=env,
             stdout=output,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
@@ -231,6 +240,7 @@ class VLLMEngine(Engine):
         and survive the API process if it is killed alone."""
         process = self._process
         if process is None:
+            self._remove_rpc_dir()  # a start that failed before the server ran
             return
         try:
             signal_group(process.pid, signal.SIGTERM)
@@ -242,7 +252,13 @@ class VLLMEngine(Engine):
             # (an engine core ignoring SIGTERM) would otherwise outlive us, and nothing else knows their pids.
             signal_group(process.pid, signal.SIGKILL)
             self._process = None
+            self._remove_rpc_dir()
         await process.wait()
+
+    def _remove_rpc_dir(self) -> None:
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     async def _watch(self) -> None:
         """Restart the server when it dies (or stops answering), then re-load the adapters it had."""

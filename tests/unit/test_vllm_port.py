@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,35 @@ def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
         os.kill(pid, 0)
 
 
+def test_the_servers_socket_directory_goes_with_it(tmp_path: Path) -> None:
+    """vLLM names its ZeroMQ sockets in VLLM_RPC_BASE_PATH and leaves them there even after a clean stop (seven
+    per start, in the system's temporary directory by default): each server gets a private directory, removed
+    when the server is stopped."""
+    seen = tmp_path / "rpc-dir"
+    fake = tmp_path / "python"
+    fake.write_text(
+        f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {seen}\ntouch "$VLLM_RPC_BASE_PATH/socket-left"\nexec sleep 600\n'
+    )
+    fake.chmod(0o755)
+    port = free_loopback_port()
+    launch = VLLMLaunch(python=str(fake), model="m", served_name="m", port=port)
+    engine = VLLMEngine(
+        base_url=f"http://127.0.0.1:{port}/v1", served_name="m", launch=launch, startup_timeout_s=2.0
+    )
+
+    async def start() -> None:
+        try:
+            await engine.start()
+        finally:
+            await engine.client.close()
+
+    with pytest.raises(TimeoutError, match="did not become healthy"):
+        asyncio.run(start())
+    rpc_dir = Path(seen.read_text().strip())
+    assert rpc_dir.name.startswith("kaizen-vllm-") and rpc_dir.parent == Path(tempfile.gettempdir())
+    assert not rpc_dir.exists()
+
+
 FAKE_SERVER = """#!{python}
 import http.server, os, subprocess, sys
 # vLLM's shape: an API server that leads its process group, and an engine core beside it (this one ignores
@@ -121,9 +151,11 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def test_shutdown_during_a_restart_leaves_no_process(tmp_path: Path) -> None:
+def test_shutdown_during_a_restart_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway stopping while its watchdog replaces a dead server: the dead server's group (an engine core
-    that ignores SIGTERM) is still SIGKILLed, and no new server is left behind."""
+    that ignores SIGTERM) is still SIGKILLed, and no new server is left behind, nor a socket directory."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     pids = tmp_path / "pids"
     fake = tmp_path / "python"
     fake.write_text(FAKE_SERVER.format(python=sys.executable, pids=str(pids)))
@@ -147,6 +179,7 @@ def test_shutdown_during_a_restart_leaves_no_process(tmp_path: Path) -> None:
     while (left := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == [], f"still running: {left} (servers and cores: {pids.read_text()!r})"
+    assert not list((tmp_path / "tmp").glob("kaizen-vllm-*"))
 
 
 class ForgetfulServer:
