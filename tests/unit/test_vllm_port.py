@@ -63,12 +63,11 @@ def test_a_port_another_process_holds_stops_start_up() -> None:
             asyncio.run(start())
 
 
-def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
-    """Start-up that times out must not leave the server running: it sits in its own session, so nothing
-    else would ever stop it."""
-    pid_file = tmp_path / "pid"
+def start_a_server_that_never_becomes_healthy(tmp_path: Path, script: str) -> None:
+    """Start a stand-in for vLLM (`script`, a shell script run as its python) that never answers /health; the
+    start-up times out."""
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    fake.write_text(f"#!/bin/sh\n{script}\nexec sleep 600\n")
     fake.chmod(0o755)
     port = free_loopback_port()
     launch = VLLMLaunch(python=str(fake), model="m", served_name="m", port=port)
@@ -84,6 +83,13 @@ def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
 
     with pytest.raises(TimeoutError, match="did not become healthy"):
         asyncio.run(start())
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped(tmp_path: Path) -> None:
+    """Start-up that times out must not leave the server running: it sits in its own session, so nothing
+    else would ever stop it."""
+    pid_file = tmp_path / "pid"
+    start_a_server_that_never_becomes_healthy(tmp_path, f"echo $$ > {pid_file}")
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -94,25 +100,8 @@ def test_the_servers_socket_directory_goes_with_it(tmp_path: Path) -> None:
     per start, in the system's temporary directory by default): each server gets a private directory, removed
     when the server is stopped."""
     seen = tmp_path / "rpc-dir"
-    fake = tmp_path / "python"
-    fake.write_text(
-        f'#!/bin/sh\necho "$VLLM_RPC_BASE_PATH" > {seen}\ntouch "$VLLM_RPC_BASE_PATH/socket-left"\nexec sleep 600\n'
-    )
-    fake.chmod(0o755)
-    port = free_loopback_port()
-    launch = VLLMLaunch(python=str(fake), model="m", served_name="m", port=port)
-    engine = VLLMEngine(
-        base_url=f"http://127.0.0.1:{port}/v1", served_name="m", launch=launch, startup_timeout_s=2.0
-    )
-
-    async def start() -> None:
-        try:
-            await engine.start()
-        finally:
-            await engine.client.close()
-
-    with pytest.raises(TimeoutError, match="did not become healthy"):
-        asyncio.run(start())
+    script = f'echo "$VLLM_RPC_BASE_PATH" > {seen}\ntouch "$VLLM_RPC_BASE_PATH/socket-left"'
+    start_a_server_that_never_becomes_healthy(tmp_path, script)
     rpc_dir = Path(seen.read_text().strip())
     assert rpc_dir.name.startswith("kaizen-vllm-") and rpc_dir.parent == Path(tempfile.gettempdir())
     assert not rpc_dir.exists()
